@@ -1,0 +1,117 @@
+"""The one way every stage loads a tokenizer or a model: a Hub id or a local dir, safetensors, no remote code.
+
+Stage scripts never call ``from_pretrained`` themselves. ``what`` arguments name the params key the path came
+from, so a failure reads ``model.policy: ...`` and the user knows which line of params.yaml to fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from stages.core.errors import ModelError
+from stages.core.params import ModelParams
+
+log = logging.getLogger(__name__)
+
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _is_local(name: str) -> bool:
+    return Path(name).expanduser().exists() or name.startswith((".", "/", "~"))
+
+
+def _load_kwargs(name: str, model: ModelParams) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"trust_remote_code": model.trust_remote_code}
+    if not _is_local(name) and model.revision is not None:
+        kwargs["revision"] = model.revision
+    return kwargs
+
+
+def check_local_dir(name: str, what: str) -> None:
+    """A local path must be an existing folder with a config.json (a Hub id is checked by the download instead)."""
+    if not _is_local(name):
+        return
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ModelError(f"{what}: {name}: no such directory")
+    if not (path / "config.json").exists():
+        raise ModelError(f"{what}: {name}: not a model folder (no config.json)")
+
+
+def check_weights_format(name: str, what: str, allow_pickle: bool) -> None:
+    """Refuse a local checkpoint that only has pickled weights unless model.allow_pickle is set."""
+    if not _is_local(name):
+        return
+    path = Path(name).expanduser()
+    has_safe = any((path / f).exists() for f in SAFE_WEIGHTS)
+    has_pickle = any((path / f).exists() for f in PICKLED_WEIGHTS)
+    if not has_safe and has_pickle and not allow_pickle:
+        raise ModelError(
+            f"{what}: {name}: only pickled weights (pytorch_model.bin), which can run arbitrary code when loaded; "
+            "convert to safetensors or set model.allow_pickle: true to load them with weights_only=True"
+        )
+    if not has_safe and not has_pickle:
+        raise ModelError(f"{what}: {name}: no weights found (expected model.safetensors)")
+
+
+def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
+                   padding_side: str = "left") -> PreTrainedTokenizerBase:
+    """Load a tokenizer; give it a pad token (EOS, as the classic recipe does) when it has none."""
+    if _is_local(name) and not Path(name).expanduser().is_dir():
+        raise ModelError(f"{what}: {name}: no such directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, **_load_kwargs(name, model))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{what}: cannot load a tokenizer from {name!r}: {str(e).splitlines()[0]}") from None
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"{what}: {name}: the tokenizer has neither a pad nor an EOS token")
+        log.info("tokenizer %s has no pad token; padding with EOS (id %d)", name, tokenizer.eos_token_id)
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, **kwargs: Any) -> PreTrainedModel:
+    check_local_dir(name, what)
+    check_weights_format(name, what, model.allow_pickle)
+    try:
+        return auto_cls.from_pretrained(
+            name, use_safetensors=None if model.allow_pickle else True, **_load_kwargs(name, model), **kwargs
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"{what}: cannot load a model from {name!r}: {str(e).splitlines()[0]}") from None
+
+
+def load_causal_lm(name: str, model: ModelParams, what: str = "model.policy",
+                   dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Load a causal LM (policy, reference, SFT base)."""
+    return _from_pretrained(AutoModelForCausalLM, name, model, what, dtype=dtype)
+
+
+def load_sequence_classifier(name: str, model: ModelParams, what: str = "reward.model",
+                             **kwargs: Any) -> PreTrainedModel:
+    """Load a sequence classifier (sentiment scorer, reward model, judge); ``kwargs`` go to from_pretrained."""
+    return _from_pretrained(AutoModelForSequenceClassification, name, model, what, **kwargs)
+
+
+def check_vocab_match(tokenizer: PreTrainedTokenizerBase, lm: PreTrainedModel, what: str) -> None:
+    """A tokenizer whose ids run past the model's embedding table would index out of range mid-training."""
+    n_embed = lm.get_input_embeddings().num_embeddings
+    if len(tokenizer) > n_embed:
+        raise ModelError(
+            f"{what}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has only {n_embed} rows "
+            "(tokenizer and model do not belong together)"
+        )

@@ -1,0 +1,189 @@
+"""Offline fixtures: a tiny byte-level BPE tokenizer, tiny GPT-2 / classifier models and an IMDb-like dataset.
+
+Nothing here touches the Hub or ../shared. Tests that want the real data use the ``shared_dir`` fixture, which skips
+when ../shared is absent (a fresh clone elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+POSITIVE_WORDS = "great wonderful superb brilliant moving funny loved beautiful excellent charming".split()
+NEGATIVE_WORDS = "awful boring terrible dull bad hated stupid weak painful mess".split()
+NEUTRAL_WORDS = "the movie film plot actor scene story director was and it a this of with".split()
+
+
+def make_review(rng: random.Random, label: int, n_words: int) -> str:
+    mood = POSITIVE_WORDS if label == 1 else NEGATIVE_WORDS
+    words = [rng.choice(mood) if rng.random() < 0.3 else rng.choice(NEUTRAL_WORDS) for _ in range(n_words)]
+    return " ".join(words).capitalize() + "."
+
+
+def make_split(n: int, seed: int, labelled: bool = True, short_every: int = 10) -> pd.DataFrame:
+    """An IMDb-like split: every ``short_every``-th review is too short for the 200-character filter."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        label = i % 2 if labelled else -1
+        n_words = 5 if short_every and i % short_every == 0 else rng.randint(45, 90)
+        review = make_review(rng, label if labelled else rng.randint(0, 1), n_words)
+        rating = (rng.randint(7, 10) if label == 1 else rng.randint(1, 4)) if labelled else 0
+        rows.append({"text": review, "label": label, "rating": rating, "review_id": f"r{seed}_{i}"})
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture(scope="session")
+def imdb_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local folder laid out like ../shared/imdb: train/test/unsupervised Parquet splits."""
+    path = tmp_path_factory.mktemp("imdb")
+    make_split(200, seed=1).to_parquet(path / "train.parquet")
+    make_split(120, seed=2).to_parquet(path / "test.parquet")
+    make_split(100, seed=3, labelled=False).to_parquet(path / "unsupervised.parquet")
+    return path
+
+
+def build_tokenizer(path: Path) -> Path:
+    """Train a ~400-token byte-level BPE on synthetic reviews and save it in Hugging Face format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    corpus = [make_review(rng, i % 2, 60) for i in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
+    fast.model_max_length = 128
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2-style tokenizer (no pad token, like GPT-2's) saved with save_pretrained."""
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def build_tiny_gpt2(path: Path, tokenizer_path: Path, seed: int = 0, n_positions: int = 64) -> Path:
+    """A random 2-layer GPT-2 with the tiny tokenizer, saved as safetensors + tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=n_positions, n_embd=32, n_layer=2, n_head=2,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return build_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"), tokenizer_dir)
+
+
+def build_tiny_classifier(path: Path, tokenizer_path: Path, num_labels: int = 2, seed: int = 0) -> Path:
+    """A random GPT-2 sequence classifier (labels NEGATIVE/POSITIVE when num_labels is 2) with the tiny tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(seed)
+    labels = {0: "NEGATIVE", 1: "POSITIVE"} if num_labels == 2 else {i: f"LABEL_{i}" for i in range(num_labels)}
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=2, n_head=2, num_labels=num_labels,
+        id2label=labels, label2id={v: k for k, v in labels.items()}, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    GPT2ForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return build_tiny_classifier(tmp_path_factory.mktemp("tiny-clf"), tokenizer_dir)
+
+
+@pytest.fixture
+def shared_dir() -> Path:
+    """../shared (real IMDb and GPT-2 tokenizer); skips the test where it is absent."""
+    if not (SHARED / "imdb" / "train.parquet").exists():
+        pytest.skip("../shared/imdb is not present")
+    return SHARED
+
+
+PROJECT_FILES = ["dvc.yaml", "params.yaml", "pyproject.toml", "stages", "bench", ".dvc/config", "data/raw/.gitkeep"]
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A fresh git + DVC copy of the project's pipeline files in a temp dir (for dvc repro / dvc exp tests)."""
+    dest = tmp_path / "project"
+    dest.mkdir()
+    for name in PROJECT_FILES:
+        src = ROOT / name
+        if not src.exists():
+            continue
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, target)
+    shutil.copy2(ROOT / ".gitignore", dest / ".gitignore")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=dest, check=True, env=env)
+    subprocess.run(["git", "commit", "-qm", "init"], cwd=dest, check=True, env=env)
+    return dest
+
+
+def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the DVC of this interpreter's environment in ``project``; stages run with the same Python."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(project), "DVC_NO_ANALYTICS": "1"}
+    result = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, env=env, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(f"dvc {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def set_params(project: Path, **updates: object) -> None:
+    """Set dotted keys in the project's params.yaml (``set_params(p, **{"ppo.steps": 2})``)."""
+    import yaml
+
+    path = project / "params.yaml"
+    raw = yaml.safe_load(path.read_text())
+    for dotted, value in updates.items():
+        node = raw
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
