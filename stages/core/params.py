@@ -251,6 +251,10 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**values)
 
 
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _require(ok: bool, key: str, rule: str, value: Any) -> None:
     if not ok:
         _fail(key, rule, value)
@@ -259,19 +263,19 @@ def _require(ok: bool, key: str, rule: str, value: Any) -> None:
 def _positive(section: Any, prefix: str, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        _require(value is None or value > 0, f"{prefix}.{name}", "must be > 0", value)
+        _require(value is None or value > 0, _key(prefix, name), "must be > 0", value)
 
 
 def _non_negative(section: Any, prefix: str, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        _require(value is None or value >= 0, f"{prefix}.{name}", "must be >= 0", value)
+        _require(value is None or value >= 0, _key(prefix, name), "must be >= 0", value)
 
 
 def _in_unit_interval(section: Any, prefix: str, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        _require(0.0 <= value <= 1.0, f"{prefix}.{name}", "must be in [0, 1]", value)
+        _require(0.0 <= value <= 1.0, _key(prefix, name), "must be in [0, 1]", value)
 
 
 def _is_local(path: str) -> bool:

@@ -1,0 +1,34 @@
+"""The README's promises about the repo hold: CI runs the README's test command, the top level is as documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    """The fenced shell commands of the README's 'Quick start' section."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", section, flags=re.S)
+    return [line for block in blocks for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def test_quick_start_has_exactly_two_commands() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2, commands
+    assert commands[0].endswith("dvc repro")
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert readme_commands()[1] in ci
+
+
+def test_top_level_layout() -> None:
+    for name in ["dvc.yaml", "params.yaml", "stages", "data", "models", "metrics", "tests", "pyproject.toml",
+                 "README.md", ".ci/run", ".dvc/config"]:
+        assert (ROOT / name).exists(), name

@@ -1,0 +1,172 @@
+"""params.yaml <-> typed config <-> dvc.yaml agree, and every validation rule fails with a message naming its key."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stages.core.errors import ParamsError
+from stages.core.params import Params, load_params, parse_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def raw() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def with_value(raw: dict, dotted: str, value: object) -> dict:
+    raw = copy.deepcopy(raw)
+    node = raw
+    *parents, last = dotted.split(".")
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return raw
+
+
+def test_params_yaml_is_the_documented_defaults() -> None:
+    assert load_params(ROOT / "params.yaml") == Params()
+
+
+def test_classic_recipe_defaults() -> None:
+    p = Params()
+    assert (p.data.source, p.model.policy, p.reward.model) == (
+        "stanfordnlp/imdb", "lvwerra/gpt2-imdb", "lvwerra/distilbert-imdb")
+    assert (p.prepare.min_review_chars, p.prepare.prompt_min_tokens, p.prepare.prompt_max_tokens) == (200, 2, 8)
+    assert (p.ppo.learning_rate, p.ppo.batch_size, p.ppo.mini_batch_size, p.ppo.ppo_epochs, p.ppo.steps) == (
+        1.41e-5, 128, 128, 4, 194)
+    assert (p.ppo.init_kl_coef, p.ppo.target, p.ppo.horizon, p.ppo.gamma, p.ppo.lam) == (0.2, 6.0, 10000.0, 1.0, 0.95)
+
+
+def _dotted_keys(cls: type, prefix: str = "") -> set[str]:
+    keys = set()
+    for name, tp in typing.get_type_hints(cls).items():
+        keys.add(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            keys |= _dotted_keys(tp, f"{prefix}{name}.")
+    return keys
+
+
+def test_dvc_yaml_params_name_real_keys() -> None:
+    known = _dotted_keys(Params)
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        for key in stage.get("params", []):
+            assert key in known, f"dvc.yaml stage {name} lists unknown param {key}"
+
+
+def test_ppo_params_are_read_only_by_ppo_and_evaluate() -> None:
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    readers = {name for name, s in stages.items() for k in s.get("params", []) if k == "ppo" or k.startswith("ppo.")}
+    assert readers == {"ppo", "evaluate"}
+    assert not any(k.startswith("ppo") or k == "evaluate" for k in stages["prepare"]["params"])
+
+
+def test_stage_deps_exist() -> None:
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        for dep in stage.get("deps", []):
+            if dep.startswith(("stages/", "data/raw")):
+                assert (ROOT / dep).exists(), f"dvc.yaml stage {name}: dep {dep} does not exist"
+
+
+@pytest.mark.parametrize(
+    ("dotted", "value", "message"),
+    [
+        ("ppo.batch_size", -4, "params.yaml: ppo.batch_size: must be > 0 (got -4)"),
+        ("ppo.batch_size", "many", "params.yaml: ppo.batch_size: must be an integer (got 'many')"),
+        ("ppo.learning_rate", True, "params.yaml: ppo.learning_rate: must be a number (got True)"),
+        ("ppo.adap_kl_ctrl", "yes", "params.yaml: ppo.adap_kl_ctrl: must be a bool (got 'yes')"),
+        ("ppo.kl_penalty", "kk", "params.yaml: ppo.kl_penalty: must be one of kl, abs, mse, full, k3 (got 'kk')"),
+        ("ppo.gamma", 1.5, "params.yaml: ppo.gamma: must be in [0, 1] (got 1.5)"),
+        ("ppo.top_p", 0.0, "params.yaml: ppo.top_p: must be in (0, 1] (got 0.0)"),
+        ("ppo.batch_size", 100, "params.yaml: ppo.batch_size: must be a multiple of ppo.mini_batch_size x "
+                                "ppo.gradient_accumulation_steps (128) (got 100)"),
+        ("ppo.response_min_tokens", 20, "params.yaml: ppo.response_min_tokens: must be <= ppo.response_max_tokens "
+                                        "(16) (got 20)"),
+        ("prepare.prompt_min_tokens", 9, "params.yaml: prepare.prompt_min_tokens: must be <= "
+                                         "prepare.prompt_max_tokens (8) (got 9)"),
+        ("prepare.eval_prompts", 0, "params.yaml: prepare.eval_prompts: must be > 0 (got 0)"),
+        ("prepare.pairs_source", "pairs.txt", "params.yaml: prepare.pairs_source: must be 'imdb' or a local "
+                                              ".parquet/.jsonl file (got 'pairs.txt')"),
+        ("data.source", "./no/such/folder", "params.yaml: data.source: local path does not exist "
+                                            "(got './no/such/folder')"),
+        ("model.tokenizer", "../no-such-tokenizer", "params.yaml: model.tokenizer: local path does not exist "
+                                                    "(got '../no-such-tokenizer')"),
+        ("sft.n_embd", 100, "params.yaml: sft.n_embd: must be divisible by sft.n_head (6) (got 100)"),
+        ("sft.block_size", 512, "params.yaml: sft.block_size: must be <= sft.n_positions (256) (got 512)"),
+        ("sft.splits", ["train", "test"], "params.yaml: sft.splits: must not contain 'test' (held out for "
+                                          "perplexity) (got ['train', 'test'])"),
+        ("sft.splits", "train", "params.yaml: sft.splits: must be a list of str (got 'train')"),
+        ("evaluate.judges", ["vader", 3], "params.yaml: evaluate.judges[1]: must be a str (got 3)"),
+        ("seed", -1, "params.yaml: seed: must be >= 0 (got -1)"),
+    ],
+)
+def test_each_rule_names_key_and_rule(raw: dict, dotted: str, value: object, message: str) -> None:
+    with pytest.raises(ParamsError) as err:
+        parse_params(with_value(raw, dotted, value), ROOT)
+    assert str(err.value) == message
+
+
+def test_unknown_keys_are_refused(raw: dict) -> None:
+    raw["ppo"]["lr"] = 1e-5
+    with pytest.raises(ParamsError, match=r"^params.yaml: ppo.lr: unknown key \(known: .*learning_rate"):
+        parse_params(raw, ROOT)
+    with pytest.raises(ParamsError, match="^params.yaml: trainer: unknown key"):
+        parse_params({"trainer": {}}, ROOT)
+
+
+def test_section_must_be_a_mapping(raw: dict) -> None:
+    raw["ppo"] = [1, 2]
+    with pytest.raises(ParamsError, match=r"^params.yaml: ppo: must be a mapping"):
+        parse_params(raw, ROOT)
+
+
+def test_reward_from_sft_needs_sft(raw: dict) -> None:
+    raw["reward"]["train"] = True
+    with pytest.raises(ParamsError, match="^params.yaml: reward.base: is 'sft' but sft.enabled is false"):
+        parse_params(raw, ROOT)
+
+
+def test_scratch_model_must_hold_prompt_and_response(raw: dict) -> None:
+    raw["sft"].update(enabled=True, n_positions=16, block_size=16)
+    with pytest.raises(ParamsError, match=r"^params.yaml: ppo.response_max_tokens: prompt_max_tokens \+ "
+                                          r"response_max_tokens \(24\) must fit sft.n_positions \(16\)"):
+        parse_params(raw, ROOT)
+
+
+def test_ints_are_accepted_for_floats_and_missing_keys_take_defaults(raw: dict) -> None:
+    raw["ppo"] = {"learning_rate": 1, "steps": 3}
+    p = parse_params(raw, ROOT)
+    assert p.ppo.learning_rate == 1.0 and isinstance(p.ppo.learning_rate, float)
+    assert p.ppo.steps == 3 and p.ppo.batch_size == Params().ppo.batch_size
+
+
+def test_relative_local_paths_resolve_against_the_params_folder(tmp_path: Path, raw: dict) -> None:
+    (tmp_path / "imdb").mkdir()
+    raw["data"]["source"] = "./imdb"
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert load_params(path).data.source == "./imdb"
+
+
+def test_unreadable_params_file(tmp_path: Path) -> None:
+    with pytest.raises(ParamsError, match="params.yaml: not found"):
+        load_params(tmp_path / "params.yaml")
+    (tmp_path / "params.yaml").write_text("ppo: [unclosed\n")
+    with pytest.raises(ParamsError, match="params.yaml: not valid YAML"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
+    p = Params()
+    assert p.tokenizer_path == "lvwerra/gpt2-imdb"
+    p = dataclasses.replace(p, sft=dataclasses.replace(p.sft, enabled=True, base="gpt2"))
+    assert p.tokenizer_path == "gpt2"
