@@ -1,0 +1,97 @@
+"""Run a named preset of the pipeline as one DVC experiment: ``python -m stages.recipe offline-cpu``.
+
+A preset is a params overlay in ``presets/<name>.yaml`` (only the keys it changes). The runner validates params.yaml
+with the overlay applied (so a bad preset fails before anything runs), copies local inputs the preset expects under
+``data/raw/`` when they are missing (from ``--imdb`` / ``--tokenizer``), then runs ``dvc exp run`` with one ``-S`` per
+key. The result is an ordinary experiment: ``dvc exp show`` and ``dvc metrics diff`` compare it with any other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stages.core.errors import ParamsError, run_stage
+from stages.core.params import PARAMS_FILE, parse_params
+
+PRESETS = Path("presets")
+LOCAL_INPUTS = {"imdb": "data/raw/imdb", "tokenizer": "data/raw/gpt2-tokenizer"}
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"ppo": {"steps": 2}} -> {"ppo.steps": 2}."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def overlay(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for dotted, value in flatten(changes).items():
+        node = merged
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return merged
+
+
+def as_override(value: Any) -> str:
+    """A value as DVC's ``-S key=value`` parses it (YAML flow style: null, 1e-05, [train, unsupervised])."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    path = PRESETS / f"{name}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
+        raise ParamsError(f"{path}: no such preset (known: {known})")
+    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+
+
+def ensure_local_inputs(changes: dict[str, Any], sources: dict[str, Path]) -> None:
+    """Copy the local IMDb / tokenizer the preset points at into data/raw/ (a DVC dependency) when missing."""
+    wanted = set(flatten(changes).values())
+    for kind, target in LOCAL_INPUTS.items():
+        if target not in wanted or Path(target).exists():
+            continue
+        if not sources[kind].exists():
+            raise ParamsError(f"--{kind}: {sources[kind]} does not exist (the preset needs a copy at {target})")
+        print(f"copying {sources[kind]} -> {target}")
+        shutil.copytree(sources[kind], target)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("preset", help="a preset name from presets/ (offline-cpu, offline-gpu)")
+    parser.add_argument("--imdb", type=Path, default=Path("../shared/imdb"), help="local IMDb Parquet folder")
+    parser.add_argument("--tokenizer", type=Path, default=Path("../shared/gpt2-tokenizer"), help="local tokenizer")
+    parser.add_argument("--dry-run", action="store_true", help="print the dvc command instead of running it")
+    args, dvc_args = parser.parse_known_args()
+
+    changes = load_preset(args.preset)
+    base = yaml.safe_load(Path(PARAMS_FILE).read_text(encoding="utf-8"))
+    ensure_local_inputs(changes, {"imdb": args.imdb, "tokenizer": args.tokenizer})
+    parse_params(overlay(base, changes), ".")
+
+    command = ["dvc", "exp", "run", *dvc_args]
+    for key, value in flatten(changes).items():
+        command += ["-S", f"{key}={as_override(value)}"]
+    print(" ".join(command), flush=True)
+    if not args.dry_run:
+        sys.exit(subprocess.run(command).returncode)
+
+
+if __name__ == "__main__":
+    run_stage(main)
