@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from stages.core.errors import ModelError
-from stages.core.params import ModelParams
+from stages.core.params import ModelParams, Params
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,11 @@ def check_weights_format(name: str, what: str, allow_pickle: bool) -> None:
 
 
 def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
-                   padding_side: str = "left") -> PreTrainedTokenizerBase:
-    """Load a tokenizer; give it a pad token (EOS, as the classic recipe does) when it has none."""
+                   padding_side: str | None = "left") -> PreTrainedTokenizerBase:
+    """Load a tokenizer; give it a pad token (EOS, as the classic recipe does) when it has none.
+
+    ``padding_side`` defaults to left (generation); None keeps the tokenizer's own.
+    """
     if _is_local(name) and not Path(name).expanduser().is_dir():
         raise ModelError(f"{what}: {name}: no such directory")
     try:
@@ -80,7 +83,8 @@ def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
             raise ModelError(f"{what}: {name}: the tokenizer has neither a pad nor an EOS token")
         log.info("tokenizer %s has no pad token; padding with EOS (id %d)", name, tokenizer.eos_token_id)
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = padding_side
+    if padding_side is not None:
+        tokenizer.padding_side = padding_side
     return tokenizer
 
 
@@ -115,3 +119,21 @@ def check_vocab_match(tokenizer: PreTrainedTokenizerBase, lm: PreTrainedModel, w
             f"{what}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has only {n_embed} rows "
             "(tokenizer and model do not belong together)"
         )
+
+
+SFT_DIR = "models/sft"
+
+
+def initial_policy(params: Params) -> tuple[str, str, str]:
+    """(policy path, tokenizer path, params key) of the initial policy, which is also the frozen reference."""
+    if params.sft.enabled:
+        if not (Path(SFT_DIR) / "config.json").exists():
+            raise ModelError(f"sft.enabled is true but {SFT_DIR} holds no trained model (run the sft stage)")
+        return SFT_DIR, SFT_DIR, SFT_DIR
+    return params.model.policy, params.tokenizer_path, "model.policy"
+
+
+def context_size(lm: PreTrainedModel) -> int:
+    """How many positions the model can attend over (GPT-2: n_positions; most others: max_position_embeddings)."""
+    config = lm.config
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 10**9

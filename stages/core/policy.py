@@ -1,0 +1,78 @@
+"""The PPO actor-critic: a causal LM plus a scalar value head, on the LM's own backbone or on a separate critic."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """PPO's ratio must be 1 for an unchanged model: dropout would make two forward passes disagree."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+class PolicyWithValueHead(nn.Module):
+    """``forward`` returns the response-slice logits (B, R, V) and values (B, R) of ``query_responses``.
+
+    Only the positions that predict response tokens go through the LM head: on a 50k vocabulary the head is most of
+    the compute, and the prompt positions' logits are never used.
+    """
+
+    def __init__(self, lm: PreTrainedModel, separate_critic: bool = False) -> None:
+        super().__init__()
+        self.lm = lm
+        self.critic = copy.deepcopy(lm.base_model) if separate_critic else None
+        self.v_head = nn.Linear(lm.config.hidden_size, 1)
+        # a small head keeps the first value estimates near 0, where the whitened returns start
+        nn.init.normal_(self.v_head.weight, std=1.0 / (lm.config.hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.v_head.bias)
+
+    def forward(self, query_responses: torch.Tensor, attention_mask: torch.Tensor,
+                context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = backbone_hidden(self.lm.base_model, query_responses, attention_mask, context_length)
+        logits = self.lm.get_output_embeddings()(hidden)
+        if self.critic is not None:
+            hidden = backbone_hidden(self.critic, query_responses, attention_mask, context_length)
+        return logits, self.v_head(hidden).squeeze(-1)
+
+    def save_value_head(self, folder: Path) -> None:
+        state = {f"v_head.{k}": v for k, v in self.v_head.state_dict().items()}
+        if self.critic is not None:
+            state |= {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
+        save_file({k: v.contiguous() for k, v in state.items()}, folder / VALUE_HEAD_FILE)
+
+    def load_value_head(self, folder: Path) -> None:
+        state = load_file(folder / VALUE_HEAD_FILE)
+        self.v_head.load_state_dict({k.removeprefix("v_head."): v for k, v in state.items() if k.startswith("v_")})
+        if self.critic is not None:
+            self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in state.items()
+                                         if k.startswith("critic.")})
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Left padding must not shift positions: the first real token is position 0 in every row."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def backbone_hidden(backbone: nn.Module, query_responses: torch.Tensor, attention_mask: torch.Tensor,
+                    context_length: int) -> torch.Tensor:
+    """(B, P + R) -> (B, R, H): the hidden states at the positions that predict each response token."""
+    out = backbone(input_ids=query_responses, attention_mask=attention_mask,
+                   position_ids=position_ids_from(attention_mask), use_cache=False)
+    return out.last_hidden_state[:, context_length - 1: -1]
+
+
+def response_logits(lm: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor,
+                    context_length: int) -> torch.Tensor:
+    """(B, R, V) logits of a plain LM (the frozen reference) at the response positions."""
+    hidden = backbone_hidden(lm.base_model, query_responses, attention_mask, context_length)
+    return lm.get_output_embeddings()(hidden)

@@ -1,0 +1,64 @@
+"""The rollout log: one Parquet row per sample per PPO step, one file per chunk of steps under data/rollouts/.
+
+Files are written atomically and never appended to, so a killed run leaves only complete files behind and
+``pd.read_parquet("data/rollouts")`` reads the whole log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+
+from stages.core import ppo
+from stages.core.io import write_parquet
+from stages.core.trainer import Experience
+
+ROLLOUT_SCHEMA = pa.schema([
+    ("step", pa.int32()),
+    ("query", pa.string()),
+    ("response", pa.string()),
+    ("response_length", pa.int32()),
+    ("score", pa.float32()),
+    ("kl", pa.float32()),  # sum over the response tokens of the per-token KL estimate
+    ("non_score_reward", pa.float32()),  # sum over the response tokens of -kl_coef * KL
+    ("value_mean", pa.float32()),
+    ("advantage_mean", pa.float32()),
+    ("kl_coef", pa.float32()),
+])
+
+
+def experience_rows(step: int, queries: list[str], exp: Experience, kl_coef: float) -> dict[str, list]:
+    mask = exp.mask
+    return {
+        "step": [step] * len(queries),
+        "query": queries,
+        "response": exp.responses_text,
+        "response_length": mask.sum(1).tolist(),
+        "score": exp.scores.tolist(),
+        "kl": exp.kl.sum(1).tolist(),
+        "non_score_reward": exp.non_score_reward.sum(1).tolist(),
+        "value_mean": ppo.masked_mean(exp.values, mask, dim=1).tolist(),
+        "advantage_mean": ppo.masked_mean(exp.advantages, mask, dim=1).tolist(),
+        "kl_coef": [kl_coef] * len(queries),
+    }
+
+
+class RolloutWriter:
+    """Buffers rows and writes ``steps-<first>-<last>.parquet`` on ``flush``."""
+
+    def __init__(self, folder: Path | str) -> None:
+        self.folder = Path(folder)
+        self.rows: dict[str, list] = {name: [] for name in ROLLOUT_SCHEMA.names}
+
+    def add(self, rows: dict[str, list]) -> None:
+        for name, values in rows.items():
+            self.rows[name].extend(values)
+
+    def flush(self) -> None:
+        if not self.rows["step"]:
+            return
+        first, last = self.rows["step"][0], self.rows["step"][-1]
+        table = pa.table(self.rows, schema=ROLLOUT_SCHEMA)
+        write_parquet(table, self.folder / f"steps-{first:06d}-{last:06d}.parquet")
+        self.rows = {name: [] for name in ROLLOUT_SCHEMA.names}

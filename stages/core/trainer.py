@@ -1,0 +1,238 @@
+"""One PPO iteration for a causal LM, narrated in the order of the algorithm; each step calls into stages.core.ppo.
+
+Device-agnostic: tensors live on ``device``; an optional ``accelerate.Accelerator`` adds data parallelism (each
+process samples its own batch, gradients are averaged, the KL controller sees the mean over processes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from stages.core import ppo
+from stages.core.errors import TrainingError
+from stages.core.params import PpoParams
+from stages.core.policy import PolicyWithValueHead
+from stages.core.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
+from stages.core.scorers import Scorer
+
+
+@dataclass
+class Experience:
+    """What one iteration learns from; per-token tensors are (B, R) over the response positions."""
+
+    samples: Samples
+    responses_text: list[str]
+    scores: torch.Tensor  # (B,) after EOS penalty and scaling
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor
+    non_score_reward: torch.Tensor
+    kl: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    entropy: torch.Tensor
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.samples.response_mask
+
+
+@dataclass
+class StepResult:
+    stats: dict[str, float]
+    experience: Experience
+    skipped: bool = False
+
+
+@dataclass
+class PPOTrainer:
+    policy: PolicyWithValueHead
+    ref_policy: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    scorer: Scorer
+    cfg: PpoParams
+    device: torch.device
+    accelerator: object | None = None  # accelerate.Accelerator
+    length_generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
+    skipped_batches: int = 0
+
+    def __post_init__(self) -> None:
+        cfg = self.cfg
+        self.model = self.policy  # what the optimizer steps through; DDP-wrapped under accelerate
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.learning_rate)
+        if self.accelerator is not None:
+            self.model, self.optimizer = self.accelerator.prepare(self.policy, self.optimizer)
+        self.kl_ctl = (ppo.AdaptiveKLController(cfg.init_kl_coef, cfg.target, cfg.horizon) if cfg.adap_kl_ctrl
+                       else ppo.FixedKLController(cfg.init_kl_coef))
+        self.score_moments = ppo.RunningMoments()
+        self.sampling = SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature)
+        self.ref_policy.eval().requires_grad_(False)
+
+    # --- the iteration ---------------------------------------------------------------------------------------------
+
+    def step(self, query_ids: list[list[int]], queries: list[str], step: int = 0) -> dict[str, float]:
+        """One full PPO iteration on a batch of prompts; returns its stats (timings included)."""
+        return self.run_step(query_ids, queries, step).stats
+
+    def run_step(self, query_ids: list[list[int]], queries: list[str], step: int = 0) -> StepResult:
+        timings: dict[str, float] = {}
+        # 1-5. generate, score, forward policy and reference, shape rewards, advantages
+        experience = self.make_experience(query_ids, queries, step, timings)
+        if experience is None:
+            self.skipped_batches += 1
+            return StepResult({"ppo/skipped_batches": float(self.skipped_batches)}, None, skipped=True)
+        # 6. ppo epochs over shuffled minibatches
+        with self.timer(timings, "update"):
+            update_stats = self.update(experience, step)
+        # 7. adapt the KL coefficient to the mean sequence KL of the batch
+        mean_kl = self.mean_over_processes(experience.kl.sum(1).mean())
+        kl_coef = self.kl_ctl.value
+        self.kl_ctl.update(mean_kl, self.cfg.batch_size)
+        stats = self.experience_stats(experience, mean_kl, kl_coef) | update_stats
+        stats |= {f"time/{k}": v for k, v in timings.items()}
+        n_tokens = experience.mask.sum().item()
+        total = sum(timings.values())
+        stats |= {"time/step": total, "throughput/samples_per_s": len(queries) / total,
+                  "throughput/tokens_per_s": n_tokens / total, "ppo/skipped_batches": float(self.skipped_batches)}
+        return StepResult(stats, experience)
+
+    def make_experience(self, query_ids: list[list[int]], queries: list[str], step: int,
+                        timings: dict[str, float]) -> Experience | None:
+        cfg = self.cfg
+        with self.timer(timings, "generate"):
+            lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
+                                       self.length_generator)
+            samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
+            responses_text = decode_responses(self.tokenizer, samples)
+        with self.timer(timings, "score"):
+            raw_scores = self.scorer(queries, responses_text).to(self.device)
+            if not self.finite(raw_scores, step, "score", "the reward scorer returned NaN/inf"):
+                return None
+            scores = ppo.apply_missing_eos_penalty(raw_scores, samples.has_eos, cfg.missing_eos_penalty)
+            scores = ppo.scale_scores(scores, self.score_moments, cfg.use_score_scaling, cfg.use_score_norm,
+                                      cfg.score_clip)
+        with self.timer(timings, "forward"), torch.no_grad():
+            full = cfg.kl_penalty == "full"
+            self.policy.eval()
+            out = forward(self.policy, samples, cfg.temperature, keep_logits=full)
+            ref = forward(self.ref_policy, samples, cfg.temperature, keep_logits=full)
+            mask = samples.response_mask
+            rewards, non_score_reward, kl = ppo.compute_rewards(
+                scores, out.logprobs, ref.logprobs, mask, self.kl_ctl.value, cfg.kl_penalty, out.logits, ref.logits)
+            advantages, returns = ppo.compute_advantages(out.values, rewards, mask, cfg.gamma, cfg.lam,
+                                                         cfg.whiten_rewards)
+        return Experience(samples, responses_text, scores, out.logprobs, ref.logprobs, out.values, rewards,
+                          non_score_reward, kl, advantages, returns, out.entropy)
+
+    def update(self, exp: Experience, step: int) -> dict[str, float]:
+        """``ppo_epochs`` passes over shuffled minibatches; gradients accumulate over micro-batches."""
+        cfg = self.cfg
+        self.model.train()
+        B = len(exp.scores)
+        micro = cfg.mini_batch_size
+        stats: list[dict[str, torch.Tensor]] = []
+        grad_norms = []
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(B)
+            for start in range(0, B, micro * cfg.gradient_accumulation_steps):
+                for mb_start in range(start, start + micro * cfg.gradient_accumulation_steps, micro):
+                    mb = order[mb_start: mb_start + micro].to(self.device)
+                    loss, mb_stats = self.minibatch_loss(exp, mb)
+                    self.finite(loss, step, "loss/total", "the PPO loss is NaN/inf", always_stop=True)
+                    self.backward(loss / cfg.gradient_accumulation_steps)
+                    stats.append(mb_stats)
+                grad_norms.append(self.optimizer_step(step))
+        self.model.eval()
+        mean = {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
+        mean["policy/ratio_max"] = max(s["val/ratio_max"].item() for s in stats)
+        mean["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        return mean
+
+    def minibatch_loss(self, exp: Experience, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        s = exp.samples
+        mb_samples = Samples(s.query_responses[mb], s.attention_mask[mb], s.context_length, s.response_mask[mb],
+                             s.has_eos[mb])
+        out = forward(self.model, mb_samples, self.cfg.temperature)
+        loss, stats = ppo.ppo_loss(out.logprobs, out.values, exp.logprobs[mb], exp.values[mb], exp.advantages[mb],
+                                   exp.returns[mb], mb_samples.response_mask, self.cfg.cliprange,
+                                   self.cfg.cliprange_value, self.cfg.vf_coef, self.cfg.ratio_threshold)
+        stats["policy/entropy"] = ppo.masked_mean(out.entropy, mb_samples.response_mask)
+        return loss, stats
+
+    def optimizer_step(self, step: int) -> float:
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        params = self.model.parameters()
+        if self.accelerator is not None:
+            norm = self.accelerator.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if not self.finite(norm, step, "policy/grad_norm", "a gradient is NaN/inf"):
+            self.optimizer.zero_grad(set_to_none=True)
+            return float("nan")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.item()
+
+    # --- helpers ---------------------------------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.accelerator is not None:
+            self.accelerator.backward(loss)
+        else:
+            loss.backward()
+
+    def finite(self, x: torch.Tensor, step: int, quantity: str, what: str, always_stop: bool = False) -> bool:
+        """False (skip the batch) or a TrainingError naming the step and quantity when ``x`` has NaN/inf."""
+        if torch.isfinite(x).all():
+            return True
+        if always_stop or self.cfg.nan_policy == "stop":
+            bad = int((~torch.isfinite(x)).sum())
+            raise TrainingError(f"step {step}: {quantity}: {what} ({bad} of {x.numel()} values); set "
+                                "ppo.nan_policy: skip to skip such batches")
+        return False
+
+    def mean_over_processes(self, x: torch.Tensor) -> float:
+        if self.accelerator is not None:
+            x = self.accelerator.reduce(x.detach(), reduction="mean")
+        return x.item()
+
+    def timer(self, timings: dict[str, float], name: str) -> _Timer:
+        return _Timer(timings, name, self.device)
+
+    def experience_stats(self, exp: Experience, mean_kl: float, kl_coef: float) -> dict[str, float]:
+        mask = exp.mask
+        return {
+            "objective/scores": exp.scores.mean().item(),
+            "objective/scores_std": exp.scores.std().item() if len(exp.scores) > 1 else 0.0,
+            "objective/kl": mean_kl,
+            "objective/kl_coef": kl_coef,
+            "objective/non_score_reward": exp.non_score_reward.sum(1).mean().item(),
+            "objective/entropy": ppo.masked_mean(exp.entropy, mask).item(),
+            "val/mean": ppo.masked_mean(exp.values, mask).item(),
+            "val/returns": ppo.masked_mean(exp.returns, mask).item(),
+            "val/num_eos_tokens": exp.samples.has_eos.sum().item(),
+            "tokens/response_length": mask.sum(1).float().mean().item(),
+        }
+
+
+class _Timer:
+    """Wall time of a phase; on CUDA it waits for the queued kernels so the phase gets its own time."""
+
+    def __init__(self, timings: dict[str, float], name: str, device: torch.device) -> None:
+        self.timings, self.name, self.cuda = timings, name, device.type == "cuda"
+
+    def __enter__(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.timings[self.name] = self.timings.get(self.name, 0.0) + time.perf_counter() - self.start
