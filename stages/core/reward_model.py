@@ -1,0 +1,131 @@
+"""A preference reward model: a one-output sequence classifier trained with the Bradley-Terry loss.
+
+The score is read at the last non-pad token (GPT-style classifiers) of ``text``; chosen and rejected texts of a
+minibatch go through one forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForSequenceClassification, GPT2Config, PreTrainedModel, PreTrainedTokenizerBase
+
+from stages.core.errors import DataError, TrainingError
+from stages.core.modeling import SFT_DIR, load_sequence_classifier, load_tokenizer
+from stages.core.params import Params
+from stages.core.training import autocast, warmup_cosine
+
+MARGIN_PER_STAR = 0.1  # with reward.margin, chosen must beat rejected by 0.1 per star of rating difference
+
+
+def init_paths(params: Params) -> tuple[str | None, str, str]:
+    """(model to start from or None for scratch, tokenizer, params key) for reward.base."""
+    r = params.reward
+    if r.base == "sft":
+        return SFT_DIR, SFT_DIR, "reward.base"
+    if r.base == "scratch":
+        return None, params.tokenizer_path, "model.tokenizer"
+    return r.base, params.model.tokenizer or r.base, "reward.base"
+
+
+def build(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The classifier (num_labels=1, a pad token id set) and its tokenizer, right-padded."""
+    path, tokenizer_path, what = init_paths(params)
+    tokenizer = load_tokenizer(tokenizer_path, params.model, what=what, padding_side="right")
+    if path is None:
+        s = params.sft
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=s.n_positions, n_embd=s.n_embd,
+                            n_layer=s.n_layer, n_head=s.n_head, num_labels=1,
+                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        model = load_sequence_classifier(path, params.model, what=what, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def read_pairs(path: str) -> pd.DataFrame:
+    try:
+        frame = pd.read_parquet(path)
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing (run the prepare stage first)") from None
+    for column in ("chosen", "rejected"):
+        if column not in frame:
+            raise DataError(f"{path}: missing column {column!r} (columns: {', '.join(frame.columns)})")
+    if frame.empty:
+        raise DataError(f"{path}: no pairs")
+    return frame
+
+
+def scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int,
+           device: torch.device) -> torch.Tensor:
+    """(N,) reward of each text (one forward; grad flows when enabled by the caller)."""
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+    with autocast(device):
+        return model(**batch).logits[:, 0].float()
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None) -> torch.Tensor:
+    """-log sigma(r_chosen - r_rejected [- margin]), averaged over pairs."""
+    diff = chosen - rejected
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff).mean()
+
+
+@dataclass
+class RewardResult:
+    losses: list[float]
+    seconds: float
+
+
+def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: pd.DataFrame, params: Params,
+          device: torch.device, generator: torch.Generator) -> RewardResult:
+    r = params.reward
+    n = len(pairs)
+    steps = r.epochs * max(1, n // r.batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=r.learning_rate)
+    schedule = warmup_cosine(optimizer, min(50, steps // 10 + 1), steps)
+    rating_gap = (pairs.get("chosen_rating", 0) - pairs.get("rejected_rating", 0)).clip(lower=0)
+    model.train()
+    losses, start = [], time.perf_counter()
+    bar = tqdm(total=steps, desc="reward")
+    for _ in range(r.epochs):
+        order = torch.randperm(n, generator=generator)
+        for i in range(0, n - r.batch_size + 1, r.batch_size):
+            idx = order[i: i + r.batch_size].numpy()
+            texts = pairs["chosen"].iloc[idx].tolist() + pairs["rejected"].iloc[idx].tolist()
+            both = scores(model, tokenizer, texts, r.max_length, device)
+            margin = (torch.tensor(rating_gap.iloc[idx].to_numpy(), dtype=torch.float32, device=device)
+                      * MARGIN_PER_STAR if r.margin else None)
+            loss = bradley_terry_loss(both[: len(idx)], both[len(idx):], margin)
+            if not torch.isfinite(loss):
+                raise TrainingError(f"step {len(losses)}: reward loss is NaN/inf (lower reward.learning_rate)")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.update()
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    bar.close()
+    return RewardResult(losses, time.perf_counter() - start)
+
+
+@torch.no_grad()
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: pd.DataFrame, max_length: int,
+             device: torch.device, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen scores, rejected scores) of held-out pairs."""
+    model.eval()
+    chosen, rejected = [], []
+    for i in range(0, len(pairs), batch_size):
+        part = pairs.iloc[i: i + batch_size]
+        chosen.append(scores(model, tokenizer, part["chosen"].tolist(), max_length, device).cpu())
+        rejected.append(scores(model, tokenizer, part["rejected"].tolist(), max_length, device).cpu())
+    return torch.cat(chosen), torch.cat(rejected)

@@ -1,0 +1,110 @@
+"""Causal-LM training on IMDb text: packed blocks, AdamW with warmup + cosine decay, held-out perplexity."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerBase
+
+from stages.core.errors import DataError, ModelError, TrainingError
+from stages.core.modeling import context_size, load_causal_lm
+from stages.core.params import Params
+from stages.core.training import autocast, warmup_cosine
+
+
+def build_model(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A from-scratch GPT-2 of the sft.* shape, or the sft.base checkpoint to fine-tune."""
+    s = params.sft
+    if s.base != "scratch":
+        lm = load_causal_lm(s.base, params.model, what="sft.base")
+        if s.block_size > context_size(lm):
+            raise ModelError(f"sft.block_size: {s.block_size} exceeds sft.base's {context_size(lm)} positions")
+        return lm
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=s.n_positions, n_embd=s.n_embd, n_layer=s.n_layer, n_head=s.n_head,
+        resid_pdrop=s.dropout, embd_pdrop=s.dropout, attn_pdrop=s.dropout,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def pack(texts: pd.Series, tokenizer: PreTrainedTokenizerBase, block_size: int, max_tokens: int | None,
+         rng: np.random.Generator | None = None) -> torch.Tensor:
+    """(N, block_size) blocks of the reviews' token stream, EOS between reviews; shuffled reviews when ``rng``.
+
+    Tokenizes in chunks and stops once ``max_tokens`` are collected, so a small budget does not pay for
+    tokenizing 75k reviews.
+    """
+    order = rng.permutation(len(texts)) if rng is not None else np.arange(len(texts))
+    stream: list[int] = []
+    for start in range(0, len(order), 2000):
+        chunk = texts.iloc[order[start: start + 2000]].tolist()
+        for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+            stream.extend(ids)
+            stream.append(tokenizer.eos_token_id)
+        if max_tokens is not None and len(stream) >= max_tokens:
+            break
+    n_blocks = len(stream) // block_size
+    if n_blocks == 0:
+        raise DataError(f"the training text holds {len(stream)} tokens, fewer than one sft.block_size={block_size}")
+    return torch.tensor(stream[: n_blocks * block_size]).view(n_blocks, block_size)
+
+
+@torch.no_grad()
+def perplexity(lm: PreTrainedModel, blocks: torch.Tensor, batch_size: int, device: torch.device) -> float:
+    """exp(mean next-token loss over every predicted token of the blocks)."""
+    lm.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(blocks), batch_size):
+        batch = blocks[i: i + batch_size].to(device)
+        with autocast(device):
+            loss = lm(input_ids=batch, labels=batch).loss.float()
+        n = batch.numel() - len(batch)  # the first token of each block is never predicted
+        total, count = total + loss.item() * n, count + n
+    return math.exp(total / count)
+
+
+@dataclass
+class SftResult:
+    losses: list[tuple[int, float]]  # (step, loss) for the curve
+    tokens: int
+    seconds: float
+
+
+def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: torch.device,
+          generator: torch.Generator) -> SftResult:
+    """Next-token training on random blocks until the sft.max_tokens budget is spent."""
+    s = params.sft
+    tokens_per_step = s.batch_size * s.block_size * s.gradient_accumulation_steps
+    steps = max(1, s.max_tokens // tokens_per_step)
+    decay = [p for p in lm.parameters() if p.dim() >= 2]
+    no_decay = [p for p in lm.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=s.learning_rate, betas=(0.9, 0.95))
+    schedule = warmup_cosine(optimizer, min(s.warmup_steps, steps // 2), steps)
+    lm.train()
+    losses, start = [], time.perf_counter()
+    bar = tqdm(range(steps), desc="sft")
+    for step in bar:
+        for _ in range(s.gradient_accumulation_steps):
+            idx = torch.randint(len(blocks), (s.batch_size,), generator=generator)
+            batch = blocks[idx].to(device)
+            with autocast(device):
+                loss = lm(input_ids=batch, labels=batch).loss
+            if not torch.isfinite(loss):
+                raise TrainingError(f"step {step}: sft loss is NaN/inf (lower sft.learning_rate)")
+            (loss / s.gradient_accumulation_steps).backward()
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append((step, loss.item()))
+        elapsed = time.perf_counter() - start
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{(step + 1) * tokens_per_step / elapsed:.0f}")
+    return SftResult(losses, steps * tokens_per_step, time.perf_counter() - start)

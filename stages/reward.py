@@ -1,0 +1,68 @@
+"""reward: a preference reward model trained on chosen/rejected pairs (Bradley-Terry).
+
+Reads   data/pairs/{train,test}.parquet, the initial model (models/sft, a Hub id / local dir, or scratch)
+Params  seed, model.*, sft.enabled and sft.n_* (scratch shape), reward.*
+Writes  models/reward/                  one-output sequence classifier + tokenizer; only a DISABLED marker when
+                                        reward.train is false (ppo then scores with reward.model)
+        metrics/reward.json             held-out pair accuracy, mean margin, score means
+        metrics/reward/scores.csv       score histogram of positive (chosen) vs negative (rejected) test snippets
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from stages.core.errors import run_stage
+from stages.core.io import atomic_path, remove_outputs, seed_everything, write_json, write_text
+from stages.core.params import load_params
+from stages.core.reward_model import build, evaluate, read_pairs, train
+from stages.core.training import pick_device, write_disabled
+
+OUT = Path("models/reward")
+BINS = 20
+
+
+def histogram_csv(positive: torch.Tensor, negative: torch.Tensor) -> str:
+    lo, hi = min(positive.min(), negative.min()).item(), max(positive.max(), negative.max()).item()
+    edges = torch.linspace(lo, hi + 1e-6, BINS + 1)
+    pos, neg = (torch.histogram(x, edges).hist.int().tolist() for x in (positive, negative))
+    centres = ((edges[:-1] + edges[1:]) / 2).tolist()
+    return "score,positive,negative\n" + "".join(f"{c:.4f},{p},{n}\n" for c, p, n in zip(centres, pos, neg,
+                                                                                       strict=True))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    params = load_params()
+    if not params.reward.train:
+        write_disabled(OUT, "reward.train is false: ppo and evaluate score with reward.model")
+        write_json({"trained": False}, "metrics/reward.json")
+        write_text("score,positive,negative\n", "metrics/reward/scores.csv")
+        return
+    remove_outputs("metrics/reward.json", "metrics/reward/scores.csv")
+    generator = seed_everything(params.seed)
+    train_pairs, test_pairs = read_pairs("data/pairs/train.parquet"), read_pairs("data/pairs/test.parquet")
+    model, tokenizer = build(params)
+    device = pick_device()
+    model.to(device)
+    result = train(model, tokenizer, train_pairs, params, device, generator)
+    chosen, rejected = evaluate(model, tokenizer, test_pairs, params.reward.max_length, device)
+    with atomic_path(OUT) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    metrics = {"trained": True, "accuracy": round((chosen > rejected).float().mean().item(), 4),
+               "margin_mean": round((chosen - rejected).mean().item(), 4),
+               "chosen_score_mean": round(chosen.mean().item(), 4),
+               "rejected_score_mean": round(rejected.mean().item(), 4),
+               "train_loss": round(sum(result.losses[-20:]) / len(result.losses[-20:]), 4),
+               "pairs": len(train_pairs), "seconds": round(result.seconds, 1)}
+    write_json(metrics, "metrics/reward.json")
+    write_text(histogram_csv(chosen, rejected), "metrics/reward/scores.csv")
+    logging.getLogger("reward").info("reward: held-out pair accuracy %.3f", metrics["accuracy"])
+
+
+if __name__ == "__main__":
+    run_stage(main)

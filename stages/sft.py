@@ -1,0 +1,71 @@
+"""sft: a causal LM trained (from scratch or from sft.base) on IMDb text, the offline recipe's policy.
+
+Reads   data.source (sft.splits for training, the test split for perplexity), the tokenizer
+Params  seed, data.*, model.*, sft.*
+Writes  models/sft/           HF model (safetensors) + tokenizer + generation config; only a DISABLED marker when
+                              sft.enabled is false
+        metrics/sft.json      held-out perplexity, final loss, tokens, tokens/s
+        metrics/sft/loss.csv  the training loss curve (DVC plot)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from stages.core.data import filter_reviews, load_imdb
+from stages.core.errors import run_stage
+from stages.core.io import atomic_path, remove_outputs, seed_everything, write_json, write_text
+from stages.core.modeling import check_vocab_match, load_tokenizer
+from stages.core.params import load_params
+from stages.core.sft import build_model, pack, perplexity, train
+from stages.core.training import pick_device, write_disabled
+
+OUT = Path("models/sft")
+EVAL_BATCH = 16
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    params = load_params()
+    s = params.sft
+    if not s.enabled:
+        write_disabled(OUT, "sft.enabled is false: ppo and evaluate use model.policy")
+        write_json({"enabled": False}, "metrics/sft.json")
+        write_text("step,loss\n", "metrics/sft/loss.csv")
+        return
+    remove_outputs("metrics/sft.json", "metrics/sft/loss.csv")
+    generator = seed_everything(params.seed)
+    tokenizer_path = params.model.tokenizer or (s.base if s.base != "scratch" else params.model.policy)
+    tokenizer = load_tokenizer(tokenizer_path, params.model, what="model.tokenizer")
+    lm = build_model(params, tokenizer)
+    check_vocab_match(tokenizer, lm, "model.tokenizer")
+
+    splits = load_imdb(params.data.source, params.data.revision, [*s.splits, "test"])
+    train_text = np.concatenate([splits[name]["text"].to_numpy() for name in s.splits])
+    rng = np.random.default_rng(params.seed)
+    blocks = pack(pd.Series(train_text), tokenizer, s.block_size, s.max_tokens, rng)
+    test = filter_reviews(splits["test"], 0, f"{params.data.source} [test]")
+    held_out = pack(test["text"].iloc[rng.permutation(len(test))[: s.eval_reviews]], tokenizer, s.block_size, None)
+
+    device = pick_device()
+    lm.to(device)
+    result = train(lm, blocks, params, device, generator)
+    ppl = perplexity(lm, held_out, EVAL_BATCH, device)
+    with atomic_path(OUT) as tmp:
+        lm.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    tail = [loss for _, loss in result.losses[-20:]]
+    write_json({"enabled": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
+                "tokens": result.tokens, "tokens_per_s": round(result.tokens / result.seconds, 1),
+                "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}, "metrics/sft.json")
+    write_text("step,loss\n" + "".join(f"{step},{loss:.5f}\n" for step, loss in result.losses),
+               "metrics/sft/loss.csv")
+    logging.getLogger("sft").info("sft: held-out perplexity %.2f after %d tokens", ppl, result.tokens)
+
+
+if __name__ == "__main__":
+    run_stage(main)
