@@ -70,12 +70,17 @@ def scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: li
         return model(**batch).logits[:, 0].float()
 
 
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None) -> torch.Tensor:
-    """-log sigma(r_chosen - r_rejected [- margin]), averaged over pairs."""
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None,
+                       center_coef: float = 0.0) -> torch.Tensor:
+    """-log sigma(r_chosen - r_rejected [- margin]) + center_coef * (r_chosen + r_rejected)^2, averaged over pairs.
+
+    The Bradley-Terry likelihood only sees differences, so the scores' zero is arbitrary; the centring term pins it
+    to the middle of the pairs.
+    """
     diff = chosen - rejected
     if margin is not None:
         diff = diff - margin
-    return -F.logsigmoid(diff).mean()
+    return (-F.logsigmoid(diff) + center_coef * (chosen + rejected).square()).mean()
 
 
 @dataclass
@@ -103,7 +108,7 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: pd.
             both = scores(model, tokenizer, texts, r.max_length, device)
             margin = (torch.tensor(rating_gap.iloc[idx].to_numpy(), dtype=torch.float32, device=device)
                       * MARGIN_PER_STAR if r.margin else None)
-            loss = bradley_terry_loss(both[: len(idx)], both[len(idx):], margin)
+            loss = bradley_terry_loss(both[: len(idx)], both[len(idx):], margin, r.center_coef)
             if not torch.isfinite(loss):
                 raise TrainingError(f"step {len(losses)}: reward loss is NaN/inf (lower reward.learning_rate)")
             loss.backward()
