@@ -62,7 +62,7 @@ def load_preset(name: str) -> dict[str, Any]:
 
 def ensure_local_inputs(changes: dict[str, Any], sources: dict[str, Path]) -> None:
     """Copy the local IMDb / tokenizer the preset points at into data/raw/ (a DVC dependency) when missing."""
-    wanted = set(flatten(changes).values())
+    wanted = [value for value in flatten(changes).values() if isinstance(value, str)]
     for kind, target in LOCAL_INPUTS.items():
         if target not in wanted or Path(target).exists():
             continue
