@@ -8,7 +8,8 @@ Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM
         metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput)
         metrics/ppo.json        summary
 
-Multi-process: ``accelerate launch --num_processes N -m stages.ppo`` (each process samples ppo.batch_size prompts).
+Multi-process: ``accelerate launch --num_processes N -m stages.ppo`` on GPUs, ``torchrun --nproc_per_node N -m
+stages.ppo`` on CPU (each process samples ppo.batch_size prompts).
 """
 
 from __future__ import annotations

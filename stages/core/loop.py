@@ -123,7 +123,8 @@ def train(params: Params, scorer: Scorer | None = None) -> dict[str, float]:
     if main:
         writer.flush()
         save_policy(trainer.policy, tokenizer)
-    return {"steps": cfg.steps, "seconds": round(time.perf_counter() - start, 1),
+    return {"steps": cfg.steps, "processes": accelerator.num_processes,
+            "seconds": round(time.perf_counter() - start, 1),
             "skipped_batches": trainer.skipped_batches,
             **{k: v for k, v in last.items() if k.startswith(("objective/", "throughput/"))}}
 

@@ -1,0 +1,186 @@
+"""sft and reward: they learn, reload to the same outputs, read the right token, and refuse bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from conftest import set_params
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from stages.core import reward_model, sft
+from stages.core.errors import DataError, ModelError, ParamsError
+from stages.core.modeling import load_tokenizer
+from stages.core.params import ModelParams, Params, parse_params
+
+CPU = torch.device("cpu")
+
+
+def tiny_params(tokenizer_dir: Path, **sft_overrides: object) -> Params:
+    p = Params()
+    s = dataclasses.replace(p.sft, enabled=True, n_layer=2, n_embd=32, n_head=2, n_positions=64, block_size=32,
+                            batch_size=8, max_tokens=8 * 32 * 60, learning_rate=3e-3, warmup_steps=5,
+                            **sft_overrides)
+    r = dataclasses.replace(p.reward, train=True, batch_size=16, learning_rate=1e-3, epochs=3, max_length=32)
+    return dataclasses.replace(p, model=dataclasses.replace(p.model, tokenizer=str(tokenizer_dir)), sft=s, reward=r)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path):
+    return load_tokenizer(str(tokenizer_dir), ModelParams())
+
+
+def test_pack_puts_eos_between_reviews(tokenizer) -> None:
+    texts = pd.Series(["a great movie", "the plot was dull", "loved it"])
+    blocks = sft.pack(texts, tokenizer, block_size=4, max_tokens=None)
+    stream = [i for text in texts for i in [*tokenizer(text, add_special_tokens=False).input_ids,
+                                             tokenizer.eos_token_id]]
+    assert blocks.flatten().tolist() == stream[: len(blocks) * 4]
+
+
+def test_perplexity_matches_a_token_loop(tiny_gpt2_dir: Path) -> None:
+    lm = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
+    blocks = torch.randint(0, 300, (3, 10), generator=torch.Generator().manual_seed(0))
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for block in blocks:
+            logits = lm(block[None]).logits[0]
+            for t in range(1, len(block)):
+                nll -= torch.log_softmax(logits[t - 1], -1)[block[t]].item()
+                n += 1
+    assert sft.perplexity(lm, blocks, batch_size=2, device=CPU) == pytest.approx(math.exp(nll / n), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_sft_loss_goes_down_and_reloads(tokenizer_dir: Path, imdb_dir: Path, tokenizer, tmp_path: Path) -> None:
+    params = tiny_params(tokenizer_dir)
+    torch.manual_seed(0)
+    lm = sft.build_model(params, tokenizer)
+    texts = pd.read_parquet(imdb_dir / "train.parquet")["text"]
+    blocks = sft.pack(texts, tokenizer, 32, None)
+    before = sft.perplexity(lm, blocks[:16], 8, CPU)
+    result = sft.train(lm, blocks, params, CPU, torch.Generator().manual_seed(0))
+    first, last = result.losses[0][1], sum(loss for _, loss in result.losses[-5:]) / 5
+    assert last < first - 1.0
+    assert sft.perplexity(lm, blocks[:16], 8, CPU) < before / 4
+    lm.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    lm.eval()
+    assert torch.equal(lm(blocks[:2]).logits, again(blocks[:2]).logits)
+
+
+def test_scratch_config_must_fit_n_positions(tokenizer_dir: Path) -> None:
+    raw = {"sft": {"enabled": True, "block_size": 512, "n_positions": 256}, "model": {"tokenizer": str(tokenizer_dir)}}
+    with pytest.raises(ParamsError, match=r"sft.block_size: must be <= sft.n_positions \(256\) \(got 512\)"):
+        parse_params(raw)
+
+
+def test_missing_sft_base_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ParamsError, match=r"^params.yaml: sft.base: local path does not exist"):
+        parse_params({"sft": {"enabled": True, "base": str(tmp_path / "nope")}})
+
+
+def signal_pairs(n: int, seed: int) -> pd.DataFrame:
+    """Pairs with an obvious signal: chosen texts say 'great', rejected ones 'awful'."""
+    g = torch.Generator().manual_seed(seed)
+    filler = ["the movie", "a plot", "this film was", "the actor", "it is"]
+    pick = torch.randint(len(filler), (n, 2), generator=g).tolist()
+    return pd.DataFrame({"chosen": [f"{filler[a]} great {filler[b]}" for a, b in pick],
+                         "rejected": [f"{filler[a]} awful {filler[b]}" for a, b in pick],
+                         "chosen_rating": 8, "rejected_rating": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("margin", [False, True])
+def test_reward_model_learns_an_obvious_signal(tokenizer_dir: Path, tmp_path: Path, margin: bool) -> None:
+    params = tiny_params(tokenizer_dir)
+    params = dataclasses.replace(params, reward=dataclasses.replace(params.reward, base="scratch", margin=margin))
+    torch.manual_seed(0)
+    model, tok = reward_model.build(params)
+    result = reward_model.train(model, tok, signal_pairs(320, 0), params, CPU, torch.Generator().manual_seed(0))
+    assert sum(result.losses[-5:]) / 5 < result.losses[0] - 0.3
+    test = signal_pairs(100, 1)
+    chosen, rejected = reward_model.evaluate(model, tok, test, 32, CPU)
+    assert (chosen > rejected).float().mean().item() >= 0.9
+    assert abs(torch.cat([chosen, rejected]).mean().item()) < 1.0  # the centring term keeps 0 in the middle
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    again, _ = reward_model.evaluate(reloaded, load_tokenizer(str(tmp_path), ModelParams(), padding_side=None), test,
+                                     32, CPU)
+    assert torch.allclose(again, chosen, atol=1e-5)
+
+
+def test_score_is_read_at_the_last_real_token_for_either_padding(tiny_classifier_dir: Path) -> None:
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir).eval()
+    texts = ["a great movie with a superb plot", "dull"]
+    for side in ("right", "left"):
+        tok = load_tokenizer(str(tiny_classifier_dir), ModelParams(), padding_side=side)
+        with torch.no_grad():
+            batched = reward_model.scores(model, tok, texts, 32, CPU)
+            alone = torch.cat([reward_model.scores(model, tok, [t], 32, CPU) for t in texts])
+        if side == "right":
+            assert torch.allclose(batched, alone, atol=1e-5)
+        else:
+            # absolute position embeddings shift under left padding; the reward stage therefore pads right
+            assert not torch.allclose(batched, alone, atol=1e-5)
+
+
+def test_bradley_terry_loss_from_definition() -> None:
+    chosen, rejected = torch.tensor([1.0, -0.5]), torch.tensor([0.0, 0.5])
+    expected = (math.log(1 + math.exp(-1.0)) + math.log(1 + math.exp(1.0))) / 2
+    assert reward_model.bradley_terry_loss(chosen, rejected, None).item() == pytest.approx(expected)
+    with_margin = reward_model.bradley_terry_loss(chosen, rejected, torch.tensor([0.5, 0.5])).item()
+    assert with_margin == pytest.approx((math.log(1 + math.exp(-0.5)) + math.log(1 + math.exp(1.5))) / 2)
+    centred = reward_model.bradley_terry_loss(chosen, rejected, None, center_coef=0.1).item()
+    assert centred == pytest.approx(expected + 0.1 * (1.0**2 + 0.0**2) / 2)
+
+
+@pytest.mark.parametrize(("frame", "message"), [
+    (pd.DataFrame({"chosen": ["a"], "other": ["b"]}), r"missing column 'rejected'"),
+    (pd.DataFrame({"chosen": pd.Series([], dtype=str), "rejected": pd.Series([], dtype=str)}), r": no pairs$"),
+])
+def test_bad_pairs(tmp_path: Path, frame: pd.DataFrame, message: str) -> None:
+    frame.to_parquet(tmp_path / "pairs.parquet")
+    with pytest.raises(DataError, match=message):
+        reward_model.read_pairs(str(tmp_path / "pairs.parquet"))
+
+
+def test_missing_reward_base_is_named(tmp_path: Path, tokenizer_dir: Path) -> None:
+    params = tiny_params(tokenizer_dir)
+    bad = str(tmp_path / "no-such-model")
+    params = dataclasses.replace(params, reward=dataclasses.replace(params.reward, base=bad),
+                                 model=dataclasses.replace(params.model, tokenizer=None))
+    with pytest.raises(ModelError, match=rf"^reward.base: {bad}: no such directory"):
+        reward_model.build(params)
+
+
+def run_stage(project: Path, name: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=project, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(project)})
+
+
+def folder_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(file.name.encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+def test_disabled_stages_write_a_fixed_marker(project: Path) -> None:
+    for name, out in (("sft", "models/sft"), ("reward", "models/reward")):
+        assert run_stage(project, name).returncode == 0
+        first = folder_hash(project / out)
+        set_params(project, **{"sft.max_tokens": 12345, "reward.epochs": 7})
+        assert run_stage(project, name).returncode == 0
+        assert folder_hash(project / out) == first
+        switch = "sft.enabled" if name == "sft" else "reward.train"
+        assert (project / out / "DISABLED").read_text().startswith(f"{switch} is false")
