@@ -110,4 +110,5 @@ def forward(model: PolicyWithValueHead | PreTrainedModel, samples: Samples, temp
     logprobs = logprobs_from_logits(logits, samples.responses)
     with torch.no_grad():
         entropy = entropy_from_logits(logits)
+    values = values.float() if values is not None else None  # GAE and the value loss want fp32 under autocast
     return ForwardOutput(logprobs, values, entropy, logits if keep_logits else None)

@@ -19,6 +19,7 @@ from stages.core.params import PpoParams
 from stages.core.policy import PolicyWithValueHead
 from stages.core.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
 from stages.core.scorers import Scorer
+from stages.core.training import autocast
 
 
 @dataclass
@@ -108,7 +109,8 @@ class PPOTrainer:
         with self.timer(timings, "generate"):
             lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
                                        self.length_generator)
-            samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
+            with autocast(self.device):
+                samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
             responses_text = decode_responses(self.tokenizer, samples)
         with self.timer(timings, "score"):
             raw_scores = self.scorer(queries, responses_text).to(self.device)
@@ -120,8 +122,9 @@ class PPOTrainer:
         with self.timer(timings, "forward"), torch.no_grad():
             full = cfg.kl_penalty == "full"
             self.policy.eval()
-            out = forward(self.policy, samples, cfg.temperature, keep_logits=full)
-            ref = forward(self.ref_policy, samples, cfg.temperature, keep_logits=full)
+            with autocast(self.device):
+                out = forward(self.policy, samples, cfg.temperature, keep_logits=full)
+                ref = forward(self.ref_policy, samples, cfg.temperature, keep_logits=full)
             mask = samples.response_mask
             rewards, non_score_reward, kl = ppo.compute_rewards(
                 scores, out.logprobs, ref.logprobs, mask, self.kl_ctl.value, cfg.kl_penalty, out.logits, ref.logits)
@@ -158,7 +161,8 @@ class PPOTrainer:
         s = exp.samples
         mb_samples = Samples(s.query_responses[mb], s.attention_mask[mb], s.context_length, s.response_mask[mb],
                              s.has_eos[mb])
-        out = forward(self.model, mb_samples, self.cfg.temperature)
+        with autocast(self.device):
+            out = forward(self.model, mb_samples, self.cfg.temperature)
         loss, stats = ppo.ppo_loss(out.logprobs, out.values, exp.logprobs[mb], exp.values[mb], exp.advantages[mb],
                                    exp.returns[mb], mb_samples.response_mask, self.cfg.cliprange,
                                    self.cfg.cliprange_value, self.cfg.vf_coef, self.cfg.ratio_threshold)
