@@ -1,0 +1,87 @@
+"""evaluate: sentiment and KL of the final policy against the reference (the initial policy) on held-out prompts.
+
+Reads   data/prompts/eval.parquet, models/policy, the reference (models/sft when sft.enabled, else model.policy),
+        the reward (models/reward when reward.train, else reward.model), the judges of evaluate.judges
+Params  seed, model.*, sft.enabled, reward.train/model/positive_label,
+        ppo.response_min_tokens/response_max_tokens/top_k/top_p/temperature (sampling as in training), evaluate.*
+Writes  metrics/eval.json                     flat keys (see stages/core/evaluation.py) for dvc metrics diff
+        data/eval/samples.parquet             query, response_before/after, every score before/after, kl, kl_full
+        metrics/evaluate/report.md            before/after summary and examples
+        metrics/evaluate/score_histogram.csv  reward score histogram before vs after (the score_histogram plot)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from stages.core.errors import ModelError, run_stage
+from stages.core.evaluation import REWARD, evaluate_policy, judge_names, markdown_report, score_histogram
+from stages.core.io import remove_outputs, seed_everything, write_json, write_parquet, write_text
+from stages.core.loop import read_prompts
+from stages.core.modeling import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
+from stages.core.params import Params, load_params
+from stages.core.scorers import make_reward_scorer, make_scorer, reward_model_path
+
+log = logging.getLogger("evaluate")
+
+PROMPTS = Path("data/prompts/eval.parquet")
+POLICY_DIR = "models/policy"
+METRICS = Path("metrics/eval.json")
+SAMPLES = Path("data/eval/samples.parquet")
+REPORT = Path("metrics/evaluate/report.md")
+HISTOGRAM = Path("metrics/evaluate/score_histogram.csv")
+
+
+def describe(params: Params, n: int) -> str:
+    """The report's one-paragraph account of what was measured."""
+    cfg = params.ppo
+    judges = ", ".join(name if name == spec else f"{name} (`{spec}`)"
+                       for name, spec in zip(judge_names(params.evaluate.judges), params.evaluate.judges, strict=True))
+    return (f"{n} held-out prompts from `{PROMPTS}`. Each model answers every prompt once, with the same per-prompt "
+            f"response length ({cfg.response_min_tokens}-{cfg.response_max_tokens} tokens) and seed "
+            f"({params.seed}), sampled as in training (top_k={cfg.top_k}, top_p={cfg.top_p}, "
+            f"temperature={cfg.temperature}). Reward: `{reward_model_path(params)[0]}`. Judges: {judges or 'none'}.")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    params = load_params()
+    names = judge_names(params.evaluate.judges)
+    prompts = read_prompts(PROMPTS)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seed_everything(params.seed)
+
+    # every scorer and model loads (or fails naming its key) before any sampling
+    scorers = {REWARD: make_reward_scorer(params, device)}
+    for i, (name, spec) in enumerate(zip(names, params.evaluate.judges, strict=True)):
+        scorers[name] = make_scorer(spec, params, device, what=f"evaluate.judges[{i}]")
+    path, tokenizer_path, what = initial_policy(params)
+    tokenizer = load_tokenizer(tokenizer_path, params.model,
+                               what=what if path == tokenizer_path else "model.tokenizer")
+    reference = load_causal_lm(path, params.model, what=what).to(device).eval()
+    if not (Path(POLICY_DIR) / "config.json").exists():
+        raise ModelError(f"{POLICY_DIR}: no trained policy here (run the ppo stage)")
+    policy = load_causal_lm(POLICY_DIR, params.model, what=POLICY_DIR).to(device).eval()
+    check_vocab_match(tokenizer, reference, what)
+    check_vocab_match(tokenizer, policy, POLICY_DIR)
+    remove_outputs(METRICS, SAMPLES.parent, REPORT.parent)
+
+    metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts.queries, prompts.input_ids,
+                                       params)
+
+    write_parquet(pa.Table.from_pandas(samples, preserve_index=False), SAMPLES)
+    write_text(score_histogram(samples["reward_before"], samples["reward_after"]).to_csv(index=False), HISTOGRAM)
+    write_text(markdown_report(samples, metrics, list(scorers), params.evaluate.examples,
+                               describe(params, len(samples))), REPORT)
+    write_json(metrics, METRICS)
+    log.info("evaluate: reward %.3f -> %.3f, positive %.2f -> %.2f, KL %.3f (exact %.3f); report in %s",
+             metrics["reference.reward_mean"], metrics["policy.reward_mean"], metrics["reference.positive_rate"],
+             metrics["policy.positive_rate"], metrics["kl.mean"], metrics["kl.full_mean"], REPORT)
+
+
+if __name__ == "__main__":
+    run_stage(main)
