@@ -38,9 +38,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
     if not params.reward.train:
-        write_disabled(OUT, "reward.train is false: ppo and evaluate score with reward.model")
-        write_json({"trained": False}, "metrics/reward.json")
-        write_text("score,positive,negative\n", "metrics/reward/scores.csv")
+        write_disabled(OUT, "reward.train is false: ppo and evaluate score with reward.model",
+                       {"metrics/reward.json": '{"trained": false}\n',
+                        "metrics/reward/scores.csv": "score,positive,negative\n"})
         return
     remove_outputs("metrics/reward.json", "metrics/reward/scores.csv")
     generator = seed_everything(params.seed)

@@ -33,9 +33,8 @@ def main() -> None:
     params = load_params()
     s = params.sft
     if not s.enabled:
-        write_disabled(OUT, "sft.enabled is false: ppo and evaluate use model.policy")
-        write_json({"enabled": False}, "metrics/sft.json")
-        write_text("step,loss\n", "metrics/sft/loss.csv")
+        write_disabled(OUT, "sft.enabled is false: ppo and evaluate use model.policy",
+                       {"metrics/sft.json": '{"enabled": false}\n', "metrics/sft/loss.csv": "step,loss\n"})
         return
     remove_outputs("metrics/sft.json", "metrics/sft/loss.csv")
     generator = seed_everything(params.seed)
