@@ -157,7 +157,7 @@ class PpoParams:
     value_model: Literal["shared", "separate"] = "shared"
     """'shared': a value head on the policy's backbone; 'separate': a critic model initialised from the policy."""
     checkpoint_every: int = 10
-    """Save a resumable checkpoint every this many steps (0: never)."""
+    """Steps per rollout-log file (0: 10). Resumable checkpoints at this interval are not implemented yet."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/inf score, loss or gradient: stop with a message, or skip the batch and count it."""
 
@@ -165,10 +165,13 @@ class PpoParams:
 @dataclass(frozen=True)
 class EvaluateParams:
     judges: list[str] = field(default_factory=lambda: ["vader"])
-    """Extra scorers: 'vader' (lexicon, no download) or any sentiment classifier (Hub id or local dir)."""
+    """Extra scorers: 'vader' (lexicon, no download) or any sentiment classifier (Hub id or local dir); metrics keys
+    judge.<name>.* use 'vader' or the model's last path component, sanitized ('lvwerra/distilbert-imdb' ->
+    'distilbert-imdb')."""
     greedy: bool = False
-    """Also run a greedy-decoding pass and report its reward."""
+    """Also run a greedy-decoding pass of both models and report its scores (keys policy_greedy.*, ...)."""
     batch_size: int = 64
+    """Prompts per generate/score/forward batch."""
     examples: int = 12
     """Before/after examples in the Markdown report."""
 
