@@ -1,0 +1,144 @@
+"""The evaluate stage on tiny local models: same prompts, seeds and lengths for both models, the outputs, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from conftest import NEUTRAL_WORDS, POSITIVE_WORDS, ROOT, build_tiny_gpt2, set_params
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stages.core.errors import DataError, ModelError, ParamsError
+from stages.core.rollout import response_lengths
+from stages.core.scorers import judge_name
+from stages.evaluate import HISTOGRAM, METRICS, POLICY_DIR, PROMPTS, REPORT, SAMPLES, main
+
+N_PROMPTS = 6
+
+
+@pytest.fixture
+def stage_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gpt2_dir: Path,
+              tiny_classifier_dir: Path) -> Path:
+    """A folder with params.yaml (tiny models), data/prompts/eval.parquet and models/policy = the initial policy."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(ROOT / "params.yaml", "params.yaml")
+    set_params(tmp_path, **{
+        "model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
+        "evaluate.judges": ["vader", str(tiny_classifier_dir)], "evaluate.batch_size": 4, "evaluate.examples": 3,
+        "ppo.response_min_tokens": 2, "ppo.response_max_tokens": 6,
+    })
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
+    queries = [f"{NEUTRAL_WORDS[i].capitalize()} {POSITIVE_WORDS[i]} {NEUTRAL_WORDS[i + 1]}" for i in range(N_PROMPTS)]
+    PROMPTS.parent.mkdir(parents=True)
+    pd.DataFrame({"query": queries, "input_ids": [tokenizer(q)["input_ids"] for q in queries],
+                  "review_id": [f"r{i}" for i in range(N_PROMPTS)], "label": [1] * N_PROMPTS}).to_parquet(PROMPTS)
+    shutil.copytree(tiny_gpt2_dir, POLICY_DIR)
+    return tmp_path
+
+
+def test_a_policy_equal_to_the_reference_samples_the_same_responses_with_zero_kl(
+        stage_dir: Path, tiny_classifier_dir: Path) -> None:
+    main()
+
+    metrics = json.loads(METRICS.read_text())
+    assert list(metrics) == sorted(metrics)
+    clf = judge_name(str(tiny_classifier_dir))
+    for key in ["policy.reward_mean", "policy.positive_rate", "reference.reward_mean", "reference.positive_rate",
+                "kl.mean", "kl.full_mean", "kl.p90", f"judge.{clf}.policy_positive_rate",
+                "judge.vader.reference_positive_rate", "fluency.ref_perplexity", "diversity.distinct2"]:
+        assert isinstance(metrics[key], float), key
+    assert not any(key.endswith("_greedy") or "_greedy_" in key for key in metrics)
+
+    samples = pd.read_parquet(SAMPLES)
+    assert len(samples) == N_PROMPTS
+    # same prompts, seed and per-prompt lengths: an unchanged policy answers exactly as the reference did
+    assert (samples["response_before"] == samples["response_after"]).all()
+    for score in ["reward", "judge_vader", f"judge_{clf}"]:
+        assert samples[f"{score}_before"].tolist() == samples[f"{score}_after"].tolist()
+    assert samples["kl"].abs().max() < 1e-4 and samples["kl_full"].abs().max() < 1e-4
+    assert metrics["policy.reward_mean"] == metrics["reference.reward_mean"]
+    assert metrics["fluency.ref_perplexity"] == metrics["fluency.reference_ref_perplexity"] > 1
+
+    histogram = pd.read_csv(HISTOGRAM)
+    assert histogram["before"].sum() == histogram["after"].sum() == N_PROMPTS
+    report = REPORT.read_text()
+    assert f"| {samples['query'][0]} | " in report and f"| {samples['query'][3]} | " not in report  # 3 examples
+    assert f"| {clf} |" in report and "| vader |" in report
+
+
+def test_a_changed_policy_has_positive_kl_and_greedy_runs_decode_greedily(
+        stage_dir: Path, tokenizer_dir: Path) -> None:
+    shutil.rmtree(POLICY_DIR)
+    build_tiny_gpt2(POLICY_DIR, tokenizer_dir, seed=1)
+    set_params(stage_dir, **{"evaluate.greedy": True})
+    main()
+
+    metrics = json.loads(METRICS.read_text())
+    samples = pd.read_parquet(SAMPLES)
+    assert metrics["kl.full_mean"] > 0 and (samples["kl_full"] > 0).all()
+    assert {"policy_greedy.reward_mean", "reference_greedy.positive_rate",
+            "judge.vader.policy_greedy_positive_rate"} <= set(metrics)
+    assert {"response_before_greedy", "response_after_greedy", "reward_after_greedy"} <= set(samples.columns)
+
+    # the greedy pass is plain greedy decoding: Hugging Face's own do_sample=False gives the same text
+    lengths = response_lengths(N_PROMPTS, 2, 6, torch.Generator().manual_seed(0))
+    tokenizer = AutoTokenizer.from_pretrained(POLICY_DIR)
+    policy = AutoModelForCausalLM.from_pretrained(POLICY_DIR)
+    prompts = pd.read_parquet(PROMPTS)
+    for i in range(N_PROMPTS):
+        out = policy.generate(torch.tensor([list(prompts["input_ids"][i])]), do_sample=False,
+                              max_new_tokens=lengths[i], pad_token_id=tokenizer.eos_token_id)
+        query_length = len(prompts["input_ids"][i])
+        expected = tokenizer.decode(out[0, query_length:], skip_special_tokens=True)
+        assert samples["response_after_greedy"][i] == expected, i
+
+
+def outputs_untouched() -> bool:
+    return METRICS.read_text() == "previous run" and not SAMPLES.exists() and not REPORT.exists()
+
+
+@pytest.fixture
+def previous_metrics(stage_dir: Path) -> None:
+    METRICS.parent.mkdir(parents=True, exist_ok=True)
+    METRICS.write_text("previous run")
+
+
+def test_a_judge_that_cannot_load_fails_first_naming_its_key(stage_dir: Path, previous_metrics: None) -> None:
+    Path("not-a-model").mkdir()
+    set_params(stage_dir, **{"evaluate.judges": ["vader", "not-a-model"]})
+    with pytest.raises(ModelError, match=r"^evaluate\.judges\[1\]: not-a-model: not a model folder"):
+        main()
+    assert outputs_untouched()
+
+
+def test_a_hub_judge_that_cannot_be_fetched_fails_naming_its_key(stage_dir: Path, previous_metrics: None) -> None:
+    set_params(stage_dir, **{"evaluate.judges": ["nobody/no-such-classifier"]})
+    with pytest.raises(ModelError, match=r"^evaluate\.judges\[0\]: cannot load a model from 'nobody/no-such-class"):
+        main()
+    assert outputs_untouched()
+
+
+def test_two_judges_with_the_same_name_fail(stage_dir: Path, tiny_classifier_dir: Path) -> None:
+    copy = stage_dir / "other" / tiny_classifier_dir.name
+    shutil.copytree(tiny_classifier_dir, copy)
+    set_params(stage_dir, **{"evaluate.judges": [str(tiny_classifier_dir), str(copy)]})
+    with pytest.raises(ParamsError, match=r"evaluate\.judges\[1\]: judge name .* repeats evaluate\.judges\[0\]"):
+        main()
+
+
+def test_missing_prompts_fail_naming_the_file(stage_dir: Path, previous_metrics: None) -> None:
+    PROMPTS.unlink()
+    with pytest.raises(DataError, match=r"^data/prompts/eval\.parquet: missing \(run the prepare stage first\)"):
+        main()
+    assert outputs_untouched()
+
+
+def test_missing_policy_fails_naming_it(stage_dir: Path, previous_metrics: None) -> None:
+    shutil.rmtree(POLICY_DIR)
+    with pytest.raises(ModelError, match=r"^models/policy: no trained policy here \(run the ppo stage\)"):
+        main()
+    assert outputs_untouched()

@@ -1,0 +1,69 @@
+"""The experiment workflow end to end on tiny local models (CPU): `dvc repro`, then `dvc exp run -S ...`; exactly the
+stages downstream of a changed param rerun, and `dvc metrics diff` / `dvc exp show` / `dvc plots diff` compare runs."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import dvc, set_params
+
+ALL_STAGES = {"prepare", "sft", "reward", "ppo", "evaluate"}
+
+
+def ran_stages(result: subprocess.CompletedProcess) -> set[str]:
+    return set(re.findall(r"Running stage '(\w+)'", result.stdout + result.stderr))
+
+
+def git_commit(project: Path, message: str) -> None:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", "add", "-A"], cwd=project, check=True)
+    subprocess.run(["git", "commit", "-qm", message], cwd=project, check=True, env=env)
+
+
+@pytest.mark.slow
+def test_repro_then_experiments_rerun_only_what_changed(project: Path, imdb_dir: Path, tiny_gpt2_dir: Path,
+                                                        tiny_classifier_dir: Path) -> None:
+    set_params(project, **{
+        "data.source": str(imdb_dir), "model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
+        "prepare.train_prompts": 16, "prepare.eval_prompts": 8, "prepare.train_pairs": 8, "prepare.test_pairs": 4,
+        "ppo.steps": 2, "ppo.batch_size": 4, "ppo.mini_batch_size": 4, "ppo.learning_rate": 1e-3,
+        "ppo.response_min_tokens": 2, "ppo.response_max_tokens": 6, "ppo.checkpoint_every": 0,
+        "evaluate.judges": ["vader", str(tiny_classifier_dir)], "evaluate.batch_size": 8, "evaluate.examples": 4,
+    })
+
+    assert ran_stages(dvc(project, "repro")) == ALL_STAGES
+    baseline = json.loads((project / "metrics" / "eval.json").read_text())
+    assert {"policy.reward_mean", "reference.positive_rate", "kl.full_mean", "judge.vader.policy_positive_rate",
+            "fluency.ref_perplexity", "diversity.distinct2"} <= set(baseline)
+    git_commit(project, "baseline")
+
+    # a ppo param reruns ppo and evaluate, and `dvc metrics diff` (HEAD vs workspace) shows what moved
+    assert ran_stages(dvc(project, "exp", "run", "-n", "kl-low", "-S", "ppo.init_kl_coef=0.05")) == {"ppo", "evaluate"}
+    diff = json.loads(dvc(project, "metrics", "diff", "--json").stdout)["metrics/eval.json"]
+    assert "kl.full_mean" in diff and "kl.mean" in diff
+    assert diff["kl.full_mean"]["old"] == baseline["kl.full_mean"]
+    # the reference samples the same prompts with the same seed and lengths in every experiment
+    assert not [key for key in diff if key.startswith("reference.") or ".reference_" in key]
+
+    # on top of that workspace, an evaluate param reruns evaluate alone, and only its keys move
+    assert ran_stages(dvc(project, "exp", "run", "-n", "greedy", "-S", "evaluate.greedy=true")) == {"evaluate"}
+    greedy = json.loads(dvc(project, "metrics", "diff", "kl-low", "greedy", "--json").stdout)["metrics/eval.json"]
+    assert "policy_greedy.reward_mean" in greedy and greedy["policy_greedy.reward_mean"]["old"] is None
+    assert all("greedy" in key for key in greedy), greedy
+
+    show = {row["Experiment"]: row for row in csv.DictReader(io.StringIO(dvc(project, "exp", "show", "--csv").stdout))}
+    assert float(show["kl-low"]["kl.full_mean"]) == pytest.approx(diff["kl.full_mean"]["new"])
+    assert show["kl-low"]["ppo.init_kl_coef"] == "0.05" and show["greedy"]["policy_greedy.reward_mean"]
+
+    plots = json.loads(dvc(project, "plots", "diff", "HEAD", "kl-low", "--json", "--split").stdout)
+    assert not plots.get("errors"), plots["errors"]
+    for plot_id in ("reward", "kl", "score_histogram"):
+        assert plots["data"][plot_id][0]["revisions"] == ["HEAD", "kl-low"], plot_id
