@@ -1,11 +1,14 @@
 """PPO for language models, as pure tensor functions: no I/O, no models, only torch.
 
 Shapes: B sequences, T response positions, V vocabulary. Per-token tensors are (B, T) and come with a ``mask`` of the
-same shape that is 1 on real response tokens and 0 on padding; rows may be ragged and padded on either side.
-The formulas follow TRL 0.11's PPOTrainer (Ziegler et al. 2019's recipe) unless a comment says otherwise.
+same shape (bool or float) that is 1 on real response tokens and 0 on padding; each row's real tokens are one
+contiguous run of any length >= 1, padded on the left or the right. The formulas follow TRL 0.11's PPOTrainer
+(Ziegler et al. 2019's recipe) unless a comment says otherwise.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +32,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     if unbiased:
         n = mask.sum()
         if n < 2:
-            raise ValueError("masked_var: an unbiased variance needs at least two unmasked values")
+            raise ValueError(f"masked_var: an unbiased variance needs at least two unmasked values, got {int(n)}")
         var = var * n / (n - 1)
     return var
 
@@ -42,15 +45,15 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 
 
 def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool -> (B,) index of the first True in each row, T where a row has none."""
+    """(B, T) -> (B,) index of the first nonzero in each row, T where a row has none."""
     T = bools.shape[-1]
-    positions = torch.arange(T, device=bools.device).expand_as(bools)
-    return torch.where(bools, positions, T).min(-1).values
+    positions = torch.arange(T, device=bools.device).expand(bools.shape)
+    return torch.where(bools.bool(), positions, T).min(-1).values
 
 
 def last_true_indices(mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) mask -> (B,) index of the last 1 in each row, -1 where a row has none."""
-    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    """(B, T) -> (B,) index of the last nonzero in each row, -1 where a row has none."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand(mask.shape)
     return torch.where(mask.bool(), positions, -1).max(-1).values
 
 
@@ -58,28 +61,48 @@ def last_true_indices(mask: torch.Tensor) -> torch.Tensor:
 # log-probabilities and KL
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) logits, (B, T) labels -> (B, T) log p(label).
-
-    Equals ``log_softmax(logits).gather(labels)`` without materialising the (B, T, V) log_softmax: only the
-    label's logit and the row's logsumexp are needed. Low-precision logits are upcast one row at a time, since a
-    bf16 logsumexp over 50k entries loses most of its digits.
-    """
-    if logits.dtype in (torch.float32, torch.float64):
-        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return torch.stack([logprobs_from_logits(row.float(), row_labels) for row, row_labels in zip(logits, labels,
-                                                                                                 strict=True)])
-
-
 def _upcast(x: torch.Tensor) -> torch.Tensor:
-    """At least float32: softmax statistics over 50k entries in bf16 keep too few digits."""
+    """At least float32: a bf16 logsumexp or softmax over 50k entries keeps too few digits."""
     return x if x.dtype == torch.float64 else x.float()
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) -> (B, T) entropy of softmax(logits): logsumexp(z) - sum p z."""
-    logits = _upcast(logits)
+_CHUNK_ELEMENTS = 2**24  # 64 MB per fp32 temporary: few kernel launches, bounded peak memory
+
+
+def _in_chunks(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` on chunks of whole batch rows, concatenated: its fp32 temporaries stay near _CHUNK_ELEMENTS, not
+    (B, T, V), which for GPT-2's 50k vocabulary would double or triple the memory of the logits themselves."""
+    rows = max(1, _CHUNK_ELEMENTS // max(1, tensors[0][0].numel()))
+    return torch.cat([fn(*chunk) for chunk in zip(*(x.split(rows) for x in tensors), strict=True)])
+
+
+def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = _upcast(logits)  # (b, T, V)
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) logits, (B, T) labels -> (B, T) log p(label), float32 (float64 for float64 logits).
+
+    Equals ``log_softmax(logits).gather(labels)`` without materialising the (B, T, V) log_softmax: only the label's
+    logit and the position's logsumexp are needed.
+    """
+    return _in_chunks(_chunk_logprobs, logits, labels)
+
+
+def _chunk_entropy(logits: torch.Tensor) -> torch.Tensor:
+    logits = _upcast(logits)  # (b, T, V)
     return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) -> (B, T) entropy of softmax(logits): logsumexp(z) - sum_v p_v z_v, in at least float32."""
+    return _in_chunks(_chunk_entropy, logits)
+
+
+def _chunk_full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    logp, ref_logp = F.log_softmax(_upcast(logits), -1), F.log_softmax(_upcast(ref_logits), -1)  # (b, T, V)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str = "kl",
@@ -99,28 +122,30 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str = "
     if mode == "mse":
         return 0.5 * log_ratio.square()
     if mode == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
+        return torch.expm1(-log_ratio) + log_ratio  # expm1 keeps the digits exp(r) - 1 loses near r = 0
     if mode == "full":
         if logits is None or ref_logits is None:
             raise ValueError("kl_penalty: mode 'full' needs logits and ref_logits")
-        logp, ref_logp = F.log_softmax(_upcast(logits), -1), F.log_softmax(_upcast(ref_logits), -1)
-        return F.kl_div(ref_logp, logp, log_target=True, reduction="none").sum(-1)
-    raise ValueError(f"kl_penalty: unknown mode {mode!r}")
+        return _in_chunks(_chunk_full_kl, logits, ref_logits)
+    raise ValueError(f"kl_penalty: unknown mode {mode!r} (expected kl, abs, mse, k3 or full)")
 
 
 def compute_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
                     kl_coef: float, kl_mode: str = "kl", logits: torch.Tensor | None = None,
                     ref_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token rewards: -kl_coef * KL on every real token, plus the sequence's score on its last real token.
+    """Per-token rewards: -kl_coef * KL on every real token, plus the sequence's (B,) score on its last real token.
 
     Returns (rewards, non_score_reward, kl), each (B, T) and zero off the mask.
     """
+    last = last_true_indices(mask)
+    if (last < 0).any():
+        empty = (last < 0).nonzero().flatten().tolist()
+        raise ValueError(f"compute_rewards: rows {empty} have no real response token to carry their score")
     mask = mask.to(logprobs.dtype)
     kl = kl_penalty(logprobs, ref_logprobs, kl_mode, logits, ref_logits) * mask
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
-    rows = torch.arange(len(scores), device=scores.device)
-    rewards[rows, last_true_indices(mask)] += scores.to(rewards.dtype)
+    rewards[torch.arange(len(scores), device=scores.device), last] += scores.to(rewards.dtype)
     return rewards, non_score_reward, kl
 
 
@@ -128,15 +153,14 @@ def compute_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: 
 # KL controllers
 
 
-class AdaptiveKLController:
-    """Ziegler et al. 2019: move kl_coef so the observed KL tracks ``target`` over ``horizon`` samples."""
+class FixedKLController:
+    """A constant kl_coef; also the state (``value``) that the adaptive controller moves."""
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
-        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+    def __init__(self, kl_coef: float) -> None:
+        self.value = kl_coef
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
-        self.value *= 1 + proportional_error * n_steps / self.horizon
+        """Nothing to adapt."""
 
     def state_dict(self) -> dict[str, float]:
         return {"value": self.value}
@@ -145,14 +169,17 @@ class AdaptiveKLController:
         self.value = state["value"]
 
 
-class FixedKLController(AdaptiveKLController):
-    """A constant kl_coef."""
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. 2019: move kl_coef so the observed KL tracks ``target``, by <= 20% per ``horizon`` samples."""
 
-    def __init__(self, kl_coef: float) -> None:
-        super().__init__(kl_coef, target=1.0, horizon=1.0)
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        super().__init__(init_kl_coef)
+        self.target, self.horizon = target, horizon
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        pass
+        """``current_kl``: mean sequence KL of the batch just trained on; ``n_steps``: its number of samples."""
+        proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + proportional_error * n_steps / self.horizon
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -163,12 +190,15 @@ def compute_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.
                        whiten_rewards: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over the response positions -> (advantages whitened over the mask, returns = advantages + values).
 
-    Values and rewards are zeroed off the mask, so the position after a row's last real token bootstraps from 0 (the
-    episode ends there); for a left-padded row the padding precedes the response and never feeds a real position.
+    (B, T) in, (B, T) out, zero off the mask. A masked position ends the episode: both the next value and the
+    running GAE sum are 0 there, so padding (whatever it holds, on either side) never reaches a real token and
+    each row gets exactly the advantages of its unpadded episode (before the batch whitening).
     """
     mask = mask.to(values.dtype)
     values, rewards = values * mask, rewards * mask
     if whiten_rewards:
+        # re-masked, unlike TRL 0.11: whitening without the shift leaves the mean on padding, which it then feeds
+        # into the last real token of every right-padded row
         rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
     T = rewards.shape[-1]
     lastgaelam = torch.zeros_like(rewards[:, 0])
@@ -176,10 +206,9 @@ def compute_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.
     for t in reversed(range(T)):
         nextvalues = values[:, t + 1] if t < T - 1 else torch.zeros_like(lastgaelam)
         delta = rewards[:, t] + gamma * nextvalues - values[:, t]
-        # a padded position must not pass the advantage of a later real token to an earlier one
-        lastgaelam = (delta + gamma * lam * lastgaelam) * mask[:, t] + lastgaelam * (1 - mask[:, t])
+        lastgaelam = (delta + gamma * lam * lastgaelam) * mask[:, t]
         advantages_reversed.append(lastgaelam)
-    advantages = torch.stack(advantages_reversed[::-1], dim=1) * mask
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
     returns = advantages + values
     return masked_whiten(advantages, mask) * mask, returns
 
@@ -190,12 +219,13 @@ def compute_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 cliprange: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate objective (Schulman et al. 2017), as a loss to minimise."""
+    """Clipped surrogate objective (Schulman et al. 2017) as a loss to minimise; (B, T) in, scalar loss out."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     loss = masked_mean(torch.maximum(pg_losses, pg_losses2), mask)
+    log_ratio, ratio = log_ratio.detach(), ratio.detach()  # the stats are diagnostics: no graph behind them
     stats = {
         "policy/clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask),
         "policy/approxkl": 0.5 * masked_mean(log_ratio.square(), mask),
@@ -208,7 +238,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
 def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                cliprange_value: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss: 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)."""
+    """Clipped value loss: 0.5 * masked mean of max((v - R)^2, (clip(v, v_old +- c) - R)^2); scalar out."""
     vpredclipped = torch.clamp(vpreds, old_values - cliprange_value, old_values + cliprange_value)
     vf_losses1 = (vpreds - returns).square()
     vf_losses2 = (vpredclipped - returns).square()
@@ -220,13 +250,15 @@ def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor, old_logprobs: torch.T
              advantages: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange: float,
              cliprange_value: float, vf_coef: float,
              ratio_threshold: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """pg_loss + vf_coef * vf_loss; zeroed (the minibatch skipped) when the mean ratio exceeds ratio_threshold."""
+    """pg_loss + vf_coef * vf_loss; multiplied by 0 (the minibatch skipped) when the mean ratio > ratio_threshold.
+
+    Stats are detached 0-dim tensors; ``loss/policy`` and ``loss/value`` keep their values when the loss is skipped.
+    """
     pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, advantages, mask, cliprange)
     vf_loss, vf_stats = value_loss(values, old_values, returns, mask, cliprange_value)
-    loss = pg_loss + vf_coef * vf_loss
     skipped = pg_stats["val/ratio"] > ratio_threshold
-    if skipped:
-        loss = loss * 0.0
+    # multiplying by 0 (not returning a constant) keeps the graph for backward(); a tensor flag avoids a host sync
+    loss = (pg_loss + vf_coef * vf_loss) * (~skipped).to(pg_loss.dtype)
     stats = {"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), "loss/total": loss.detach(),
              "policy/skipped": skipped.float(), **pg_stats, **vf_stats}
     return loss, stats
@@ -240,10 +272,11 @@ class RunningMoments:
     """Running mean and std of all scores seen so far (Chan et al.'s parallel update), for score scaling."""
 
     def __init__(self) -> None:
-        self.mean, self.var, self.count = 0.0, 1.0, 1e-24
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-24  # var: population variance of everything seen
 
     def update(self, x: torch.Tensor) -> None:
-        x = x.double()
+        """Fold in a batch of scores (any shape)."""
+        x = x.detach().double()
         batch_mean, batch_var, batch_count = x.mean().item(), x.var(unbiased=False).item(), x.numel()
         delta, total = batch_mean - self.mean, self.count + batch_count
         m2 = self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / total
@@ -252,7 +285,8 @@ class RunningMoments:
 
     @property
     def std(self) -> float:
-        return (self.var * self.count / max(self.count - 1, 1)) ** 0.5  # unbiased, as numpy's ddof=1
+        """Unbiased (ddof=1) std, as TRL's."""
+        return (self.var * self.count / max(self.count - 1, 1)) ** 0.5
 
     def state_dict(self) -> dict[str, float]:
         return {"mean": self.mean, "var": self.var, "count": self.count}
@@ -263,18 +297,19 @@ class RunningMoments:
 
 def scale_scores(scores: torch.Tensor, moments: RunningMoments, use_score_scaling: bool, use_score_norm: bool,
                  score_clip: float | None) -> torch.Tensor:
-    """TRL 0.11's optional score shaping: update the running moments, scale (and centre) by them, then clip."""
+    """TRL 0.11's optional score shaping of (B,) scores: update the running moments with this batch, divide by their
+    std (first subtracting their mean with ``use_score_norm``), then clip to [-score_clip, score_clip]."""
     if use_score_scaling:
         moments.update(scores)
         centre = moments.mean if use_score_norm else 0.0
-        scores = (scores - centre) / (moments.std + 1e-8)
+        scores = (scores - centre) / (moments.std + torch.finfo(scores.dtype).eps)
     if score_clip is not None:
         scores = scores.clamp(-score_clip, score_clip)
     return scores
 
 
 def apply_missing_eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penalty: float | None) -> torch.Tensor:
-    """Subtract ``penalty`` from the score of every response that never emitted EOS (None: off)."""
+    """Subtract ``penalty`` from the (B,) score of every response that never emitted EOS (None: off)."""
     if penalty is None:
         return scores
     return torch.where(has_eos, scores, scores - penalty)
