@@ -1,12 +1,24 @@
-"""Benchmark configurations and the stand-in scorer, shared by our benchmark and the peer (TRL) scripts.
+"""What every PPO benchmark script shares, ours and the peers' (TRL): the named configs, the prompts, the stand-in
+scorer, the update's FLOP count and the result line.
 
-Standard library only, so a peer's own virtual environment can import it too.
+Imports only the standard library at module level (torch, pandas and transformers lazily, inside the functions that
+need them), so a peer's own virtual environment, which has those but not our package's dependencies, imports it too.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import hashlib
+import json
 import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+
+PHASES = ("generate", "score", "forward", "update")
 
 
 @dataclass(frozen=True)
@@ -23,6 +35,17 @@ class BenchConfig:
     prompt_min_tokens: int = 2
     prompt_max_tokens: int = 8
     n_positions: int = 64
+    learning_rate: float = 1.41e-5
+
+    @property
+    def body_params(self) -> int:
+        """Weights of the transformer blocks (attention 4 E^2 + MLP 8 E^2 per layer; biases and norms ignored)."""
+        return 12 * self.n_layer * self.n_embd**2
+
+    @property
+    def head_params(self) -> int:
+        """Weights of the LM head (E x V, tied to the token embedding)."""
+        return self.n_embd * self.vocab_size
 
 
 CONFIGS = {
@@ -35,6 +58,22 @@ CONFIGS = {
 }
 
 
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="bench-cpu")
+    parser.add_argument("--data", type=Path, default=Path("../shared/imdb"), help="IMDb Parquet folder")
+    parser.add_argument("--tokenizer", default="../shared/gpt2-tokenizer", help="GPT-2 tokenizer folder")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations, after one warm-up iteration")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own, one per core)")
+
+
+def set_threads(threads: int | None) -> None:
+    """On a CPU that other jobs share, 1 thread gives steadier timings than 2 threads that wait on each other."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
 def stand_in_score(response_ids: list[int]) -> float:
     """A cheap, deterministic reward of the response tokens alone: the share of even token ids.
 
@@ -43,9 +82,133 @@ def stand_in_score(response_ids: list[int]) -> float:
     return sum(1 for t in response_ids if t % 2 == 0) / max(len(response_ids), 1)
 
 
-def sample_prompts(texts: list[str], encode, n: int, cfg: BenchConfig, seed: int = 0) -> list[list[int]]:
+def sample_prompts(texts: list[str], encode: Callable[[str], list[int]], n: int, cfg: BenchConfig,
+                   seed: int = 0) -> list[list[int]]:
     """``n`` prompt prefixes of 2-8 tokens from reviews longer than 200 characters (the classic recipe's filter)."""
     rng = random.Random(seed)
     long_texts = [t for t in texts if len(t) > 200]
     picked = rng.sample(long_texts, n)
     return [encode(t)[: rng.randint(cfg.prompt_min_tokens, cfg.prompt_max_tokens)] for t in picked]
+
+
+def load_prompts(data: Path, tokenizer, cfg: BenchConfig, iters: int) -> list[list[list[int]]]:
+    """One batch of prompts per iteration (warm-up first) from ``data``/train.parquet, identical for every peer."""
+    import pandas as pd
+
+    texts = pd.read_parquet(data / "train.parquet", columns=["text"])["text"].tolist()
+    prompts = sample_prompts(texts, lambda t: tokenizer(t, add_special_tokens=False)["input_ids"],
+                             cfg.batch_size * (iters + 1), cfg)
+    return [prompts[i: i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
+
+
+def gpt2_config_kwargs(cfg: BenchConfig, eos_token_id: int) -> dict:
+    """``GPT2Config`` keyword arguments of the config's shape: every peer builds the same architecture, dropout off
+    (PPO's probability ratio needs deterministic forward passes; TRL 1.x and ours switch it off anyway)."""
+    return dict(vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+                n_head=cfg.n_head, bos_token_id=eos_token_id, eos_token_id=eos_token_id, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+
+
+def mean_padded_length(cfg: BenchConfig, batches: list[list[list[int]]]) -> float:
+    """Mean over ``batches`` of the longest prompt + the response: the positions a left-padded batch computes."""
+    return statistics.mean(max(map(len, batch)) + cfg.new_tokens for batch in batches)
+
+
+def pass_flops(cfg: BenchConfig, positions: float, head_positions: float, bodies: int = 1, heads: int = 1,
+               backward: bool = False) -> float:
+    """Analytic FLOPs of running models over one batch: 2 per weight per position forward, 4 more backward.
+
+    ``batch x (2 or 6) x (bodies x 12 L E^2 x positions + heads x E V x head_positions)``, where ``positions`` is
+    the padded length (longest prompt + response), ``head_positions`` the positions that go through the
+    50,257-wide LM head (the response positions for us, every position for TRL), and ``bodies`` / ``heads`` count
+    the transformers / LM heads run (policy, reference, a separate value model). Attention scores (quadratic in a
+    ~24-token length) and the 1-wide value head are left out.
+    """
+    per_sample = bodies * cfg.body_params * positions + heads * cfg.head_params * head_positions
+    return (6 if backward else 2) * cfg.batch_size * per_sample
+
+
+def matmul_peak_gflops() -> tuple[float, str]:
+    """Measured matmul throughput of this machine's device (best of 10) and its dtype: the yardstick for the update.
+
+    fp32 on CPU (where the runs are fp32; a 1024^2 product runs as fast per FLOP as a 2048^2 one on the 2-core CPU),
+    bf16 on CUDA (where ours and the peers run under bf16 autocast) with 8192^2 products, big enough to fill a GPU.
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    a, b = (torch.randn(n, n, device="cuda" if cuda else "cpu", dtype=dtype) for _ in range(2))
+    times: dict[str, float] = {}
+    best = float("inf")
+    for _ in range(10):
+        times.clear()
+        with timed(times, "matmul"):
+            a @ b
+        best = min(best, times["matmul"])
+    return 2 * n**3 / best / 1e9, str(dtype).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def timed(row: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the block's wall time to ``row[name]``; on CUDA it waits for queued kernels on both ends, so the phase is
+    charged its own GPU time."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
+    start = time.perf_counter()
+    yield
+    sync()
+    row[name] = row.get(name, 0.0) + time.perf_counter() - start
+
+
+def peak_memory_mb() -> float:
+    """CUDA peak allocated memory on a GPU machine, else the process's peak resident set size."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def summarize(runner: str, cfg: BenchConfig, batches: list[list[list[int]]], rows: list[dict[str, float]],
+              update_flops: float, forward_flops: float, notes: str = "") -> dict:
+    """Print the per-phase table of the timed ``rows`` (seconds per phase and ``step`` = wall time of the whole
+    iteration) and return the result every benchmark script prints as its last line.
+
+    ``update_flops`` / ``forward_flops``: analytic FLOPs (``pass_flops``) of the update (ppo_epochs of forward +
+    backward) and of the forward phase's no-grad passes; ``learn_gflops`` is both over both phases' time."""
+    import torch
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    s_per_iter = median("step")
+    update_gflops = update_flops / median("update") / 1e9
+    learn_gflops = (update_flops + forward_flops) / (median("update") + median("forward")) / 1e9
+    peak, peak_dtype = matmul_peak_gflops()
+    result = {
+        "runner": runner, "config": cfg.name, "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "torch_threads": torch.get_num_threads(), "iters": len(rows), "s_per_iter": round(s_per_iter, 3),
+        **{f"{phase}_s": round(median(phase), 3) for phase in PHASES},
+        "samples_per_s": round(cfg.batch_size / s_per_iter, 2),
+        "tokens_per_s": round(cfg.batch_size * cfg.new_tokens / s_per_iter, 1),
+        "peak_mem_mb": round(peak_memory_mb(), 1), "update_gflop": round(update_flops / 1e9, 1),
+        "update_gflops": round(update_gflops, 1), "peak_gflops": round(peak, 1), "peak_dtype": peak_dtype,
+        "update_share_of_peak": round(update_gflops / peak, 3), "forward_gflop": round(forward_flops / 1e9, 1),
+        "learn_gflops": round(learn_gflops, 1),
+        "prompts_sha1": hashlib.sha1(json.dumps(batches).encode()).hexdigest()[:12], "notes": notes,
+    }
+    print(f"\n{runner} on {cfg.name}: medians over {len(rows)} iterations")
+    print(f"{'phase':<10}{'s':>9}")
+    for phase in PHASES:
+        print(f"{phase:<10}{result[f'{phase}_s']:>9.3f}")
+    print(f"{'iteration':<10}{s_per_iter:>9.3f}   {result['samples_per_s']} samples/s, {result['tokens_per_s']} "
+          f"response tokens/s, peak memory {result['peak_mem_mb']:.0f} MB")
+    print(f"update: {update_flops / 1e9:.0f} GFLOP in {median('update'):.2f} s = {update_gflops:.1f} GFLOP/s, "
+          f"{result['update_share_of_peak']:.0%} of the measured {peak:.0f} GFLOP/s {peak_dtype} matmul peak; "
+          f"with the forward phase's {forward_flops / 1e9:.0f} GFLOP: {learn_gflops:.1f} GFLOP/s")
+    return result

@@ -152,7 +152,8 @@ def project(tmp_path: Path) -> Path:
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
-            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
+            # bench/.venvs holds the benchmark peers' virtual environments (GBs), bench/out their outputs
+            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__", ".venvs", "out"))
         else:
             shutil.copy2(src, target)
     shutil.copy2(ROOT / ".gitignore", dest / ".gitignore")

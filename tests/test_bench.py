@@ -1,0 +1,86 @@
+"""The PPO step benchmark: its shared pieces, one toy iteration through the real trainer, and compare's CLI checks.
+
+The TRL peers run in their own venvs (bench/.venvs), which tests never build; `python -m bench.compare --config toy
+--iters 1` is their smoke run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import compare, ppo_step
+from bench.configs import CONFIGS, load_prompts, mean_padded_length, pass_flops, sample_prompts, stand_in_score
+from stages.core.modeling import load_tokenizer
+from stages.core.params import ModelParams
+
+INTERFACE_KEYS = {"config", "iters", "s_per_iter", "generate_s", "update_s", "samples_per_s", "tokens_per_s",
+                  "peak_mem_mb"}
+
+
+def test_stand_in_score_is_the_share_of_even_token_ids() -> None:
+    assert stand_in_score([2, 3, 4, 5]) == 0.5
+    assert stand_in_score([1, 3]) == 0.0
+    assert stand_in_score([]) == 0.0
+
+
+def test_prompts_are_seeded_2_to_8_token_prefixes_of_long_reviews() -> None:
+    texts = [f"review {i} " + "word " * (30 + i) for i in range(60)] + ["too short"] * 40
+    encode = lambda t: [len(w) for w in t.split()]  # noqa: E731
+    cfg = CONFIGS["bench-cpu"]
+    prompts = sample_prompts(texts, encode, 50, cfg, seed=0)
+    assert len(prompts) == 50
+    assert all(2 <= len(p) <= 8 for p in prompts)
+    long_encodings = [encode(t) for t in texts if len(t) > 200]
+    assert all(any(e[: len(p)] == p for e in long_encodings) for p in prompts)
+    assert sample_prompts(texts, encode, 50, cfg, seed=0) == prompts
+    assert sample_prompts(texts, encode, 50, cfg, seed=1) != prompts
+
+
+def test_pass_flops_counts_each_weight_at_each_position_it_runs_on() -> None:
+    cfg = CONFIGS["bench-cpu"]
+    ours = pass_flops(cfg, positions=24, head_positions=16, backward=True)
+    trl = pass_flops(cfg, positions=24, head_positions=24, backward=True)
+    separate_critic = pass_flops(cfg, positions=24, head_positions=24, bodies=2, backward=True)
+    assert trl - ours == pytest.approx(cfg.batch_size * 6 * cfg.head_params * 8)
+    assert separate_critic - trl == pytest.approx(cfg.batch_size * 6 * cfg.body_params * 24)
+    assert pass_flops(cfg, 24, 16) * 3 == pytest.approx(ours)  # forward alone: a third of forward + backward
+
+
+@pytest.mark.slow
+def test_ppo_step_runs_the_trainer_and_prints_the_result_line(tokenizer_dir: Path, imdb_dir: Path, capsys,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = ["bench.ppo_step", "--config", "toy", "--iters", "1", "--threads", "1", "--data", str(imdb_dir),
+            "--tokenizer", str(tokenizer_dir)]
+    monkeypatch.setattr(sys, "argv", argv)
+    ppo_step.main()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    cfg = CONFIGS["toy"]
+    assert result.keys() >= INTERFACE_KEYS
+    assert (result["config"], result["iters"], result["runner"]) == ("toy", 1, "ours")
+    phases = sum(result[f"{p}_s"] for p in ("generate", "score", "forward", "update"))
+    assert 0 < phases <= result["s_per_iter"] + 0.01  # the phases happen inside the timed iteration
+    assert result["samples_per_s"] == pytest.approx(cfg.batch_size / result["s_per_iter"], rel=0.01)
+    assert result["tokens_per_s"] == pytest.approx(result["samples_per_s"] * cfg.new_tokens, rel=0.01)
+    batches = load_prompts(imdb_dir, load_tokenizer(str(tokenizer_dir), ModelParams()), cfg, iters=1)
+    flops = cfg.ppo_epochs * pass_flops(cfg, mean_padded_length(cfg, batches[1:]), cfg.new_tokens, backward=True)
+    assert result["update_gflop"] == pytest.approx(flops / 1e9, abs=0.05)
+    assert result["peak_mem_mb"] > 0
+
+
+def test_compare_rejects_an_unknown_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["bench.compare", "--peers", "ours-twice,trl112"])
+    with pytest.raises(SystemExit, match="--peers: unknown peer 'ours-twice'"):
+        compare.main()
+
+
+def test_compare_ratio_is_each_runner_s_per_iter_over_ours(capsys) -> None:
+    row = {"generate_s": 1.0, "score_s": 0.0, "forward_s": 1.0, "update_s": 2.0, "samples_per_s": 1.0,
+           "update_gflops": 50.0}
+    ratios = compare.print_table({"ours": row | {"s_per_iter": 4.0}, "trl112": row | {"s_per_iter": 10.0}}, 100.0)
+    assert ratios == {"ours": 1.0, "trl112": 2.5}
+    assert "2.50x" in capsys.readouterr().out
