@@ -1,24 +1,28 @@
-"""prepare: every source format, the filter, prompt lengths, pairs, bad data, atomic outputs, DVC caching."""
+"""Prompts and pairs: batched tokenization of openings, prompt lengths, pairing rules, seeding, user pair files."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import logging
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow.parquet as pq
 import pytest
-import yaml
-from conftest import dvc, make_split, set_params
+from conftest import make_split
 
 from stages.core.data import filter_reviews, load_imdb
 from stages.core.errors import DataError
 from stages.core.modeling import load_tokenizer
 from stages.core.params import ModelParams
-from stages.core.tokenization import build_pairs, build_prompts, read_pairs_file, tokenize
+from stages.core.tokenization import (
+    CHARS_PER_TOKEN,
+    TAIL_TOKENS,
+    build_pairs,
+    build_prompts,
+    generator,
+    read_pairs_file,
+    tokenize,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,238 +30,236 @@ def tokenizer(tokenizer_dir: Path):
     return load_tokenizer(str(tokenizer_dir), ModelParams())
 
 
-def write_aclimdb(root: Path, frames: dict[str, pd.DataFrame]) -> Path:
-    for split, frame in frames.items():
-        for i, row in frame.iterrows():
-            sub = {1: f"{split}/pos", 0: f"{split}/neg", -1: "train/unsup"}[row["label"]]
-            (root / sub).mkdir(parents=True, exist_ok=True)
-            (root / sub / f"{i}_{row['rating']}.txt").write_text(row["text"], encoding="utf-8")
-    return root
+@pytest.fixture(scope="module")
+def reviews(imdb_dir: Path) -> dict[str, pd.DataFrame]:
+    splits = load_imdb(str(imdb_dir), None, ["train", "test"])
+    return {name: filter_reviews(frame, 200, name) for name, frame in splits.items()}
 
 
-# --- sources -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ids(reviews: dict[str, pd.DataFrame], tokenizer) -> dict[str, list[list[int]]]:
+    return {name: tokenize(frame["text"].tolist(), tokenizer, 32) for name, frame in reviews.items()}
 
 
-def test_parquet_folder(imdb_dir: Path) -> None:
-    splits = load_imdb(str(imdb_dir), None, ["train", "test", "unsupervised"])
-    assert list(splits["train"].columns) == ["text", "label", "rating", "review_id"]
-    expected = pd.read_parquet(imdb_dir / "train.parquet")
-    assert splits["train"]["text"].tolist() == expected["text"].tolist()
-    assert set(splits["unsupervised"]["label"]) == {-1}
+def whole(texts: list[str], tokenizer) -> list[list[int]]:
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
 
 
-@pytest.mark.parametrize("naming", ["text/label", "review/sentiment"])
-def test_csv(tmp_path: Path, naming: str) -> None:
-    frame = make_split(60, seed=5)
-    if naming == "review/sentiment":
-        frame = frame.rename(columns={"text": "review", "label": "sentiment"})
-        frame["sentiment"] = frame["sentiment"].map({1: "positive", 0: "negative"})
-    frame[["review" if "review" in frame else "text", "sentiment" if "sentiment" in frame else "label"]].to_csv(
-        tmp_path / "imdb.csv", index=False)
-    splits = load_imdb(str(tmp_path / "imdb.csv"), None, ["train", "test"])
-    together = pd.concat([splits["train"], splits["test"]])
-    assert sorted(together["text"]) == sorted(make_split(60, seed=5)["text"])
-    assert 0 < len(splits["test"]) < 60
-    assert set(together["label"]) == {0, 1} and set(together["rating"]) == {0}
-    # the train/test cut does not depend on anything but the file
-    again = load_imdb(str(tmp_path / "imdb.csv"), None, ["train", "test"])
-    assert again["test"]["text"].tolist() == splits["test"]["text"].tolist()
+# --- tokenization ------------------------------------------------------------------------------------------------
 
 
-def test_csv_split_column(tmp_path: Path) -> None:
-    frame = make_split(20, seed=5)
-    frame["split"] = ["test" if i < 5 else "train" for i in range(20)]
-    frame.to_csv(tmp_path / "imdb.csv", index=False)
-    assert len(load_imdb(str(tmp_path / "imdb.csv"), None, ["test"])["test"]) == 5
+def test_tokenize_gives_the_whole_texts_first_tokens(tokenizer) -> None:
+    chars = CHARS_PER_TOKEN * (8 + TAIL_TOKENS)
+    texts = make_split(60, seed=7)["text"].tolist() + [
+        "short review",
+        "x" * (3 * chars),  # no space to cut at
+        "great " * 10 + "superb" * 40 + " end",  # one long word across the cut
+        "a " + "superb" * 100,  # the opening ("a") is too short: the whole text is tokenized
+        "the  film\n\n was   dull " * 30,  # runs of spaces and newlines around the cut
+        "!?" * chars + " and then some words",  # dense punctuation: few characters per token
+    ]
+    assert sum(len(t) > chars for t in texts) > 40  # most texts really are cut
+    for max_tokens in (8, 32):
+        assert tokenize(texts, tokenizer, max_tokens) == [row[:max_tokens] for row in whole(texts, tokenizer)]
 
 
-def test_aclimdb_folder(tmp_path: Path) -> None:
-    frames = {"train": make_split(30, seed=1), "test": make_split(20, seed=2)}
-    root = write_aclimdb(tmp_path / "aclImdb", frames)
-    splits = load_imdb(str(root), None, ["train", "test"])
-    assert sorted(splits["train"]["text"]) == sorted(frames["train"]["text"])
-    by_text = dict(zip(frames["test"]["text"], frames["test"]["rating"], strict=True))
-    assert all(by_text[t] == r for t, r in zip(splits["test"]["text"], splits["test"]["rating"], strict=True))
+# --- prompts -----------------------------------------------------------------------------------------------------
 
 
-# --- bad data ----------------------------------------------------------------------------------------------------
+def prompts(reviews: pd.DataFrame, ids: list[list[int]], tokenizer, seed: int, n: int | None = None) -> pd.DataFrame:
+    return build_prompts(reviews, ids, tokenizer, n, 2, 8, np.random.default_rng(seed), "x").to_pandas()
 
 
-def test_missing_column(tmp_path: Path) -> None:
-    make_split(10, seed=1).drop(columns="label").to_parquet(tmp_path / "train.parquet")
-    with pytest.raises(DataError, match=rf"^{tmp_path} \[train\]: missing column 'label' \(columns: text, rating, "):
-        load_imdb(str(tmp_path), None, ["train"])
-
-
-def test_missing_split_file(tmp_path: Path) -> None:
-    make_split(10, seed=1).to_parquet(tmp_path / "train.parquet")
-    with pytest.raises(DataError, match=r"test.parquet: missing \(a Parquet source folder needs test.parquet\)"):
-        load_imdb(str(tmp_path), None, ["train", "test"])
-
-
-def test_labels_outside_0_1(tmp_path: Path) -> None:
-    frame = make_split(10, seed=1)
-    frame.loc[3, "label"] = 2
-    frame.to_parquet(tmp_path / "train.parquet")
-    with pytest.raises(DataError, match=r"\[train\]: label 2 outside \[0, 1\] \(1 rows\)"):
-        load_imdb(str(tmp_path), None, ["train"])
-
-
-def test_non_utf8_csv(tmp_path: Path) -> None:
-    (tmp_path / "imdb.csv").write_bytes("text,label\ncaf\xe9 au lait,1\n".encode("latin-1"))
-    with pytest.raises(DataError, match=r"imdb.csv: not UTF-8 text"):
-        load_imdb(str(tmp_path / "imdb.csv"), None, ["train"])
-
-
-def test_unreadable_parquet(tmp_path: Path) -> None:
-    (tmp_path / "train.parquet").write_bytes(b"not parquet at all")
-    with pytest.raises(DataError, match=r"train.parquet: unreadable Parquet file"):
-        load_imdb(str(tmp_path), None, ["train"])
-
-
-def test_nothing_left_after_filter(imdb_dir: Path) -> None:
-    train = load_imdb(str(imdb_dir), None, ["train"])["train"]
-    with pytest.raises(DataError, match=r"^x: no review is longer than prepare.min_review_chars=100000 characters$"):
-        filter_reviews(train, 100_000, "x")
-
-
-# --- prompts and pairs -------------------------------------------------------------------------------------------
-
-
-def test_filter_keeps_exactly_the_long_reviews(imdb_dir: Path) -> None:
-    train = load_imdb(str(imdb_dir), None, ["train"])["train"]
-    kept = filter_reviews(train, 200, "x")
-    assert kept["review_id"].tolist() == [r for r, t in zip(train["review_id"], train["text"], strict=True)
-                                          if len(t) > 200]
-    assert 0 < len(kept) < len(train)
-
-
-def test_prompt_lengths(imdb_dir: Path, tokenizer) -> None:
-    reviews = filter_reviews(load_imdb(str(imdb_dir), None, ["train"])["train"], 200, "x")
-    ids = tokenize(reviews["text"], tokenizer)
-
-    def prompts(seed: int):
-        return build_prompts(reviews, ids, tokenizer, None, 2, 8, np.random.default_rng(seed)).to_pandas()
-
-    table = prompts(0)
+def test_prompt_lengths(reviews, ids, tokenizer) -> None:
+    table = prompts(reviews["train"], ids["train"], tokenizer, seed=0)
     lengths = table["input_ids"].map(len)
+    assert len(table) == len(reviews["train"])
     assert set(lengths) == set(range(2, 9))  # every length in [2, 8] drawn, none outside
-    for row, prefix in zip(ids, table["input_ids"], strict=True):
-        assert list(prefix) == row[: len(prefix)]
+    full = whole(reviews["train"]["text"].tolist(), tokenizer)
+    assert all(list(p) == row[: len(p)] for p, row in zip(table["input_ids"], full, strict=True))
     assert table["query"].tolist() == tokenizer.batch_decode([list(p) for p in table["input_ids"]])
-    assert prompts(0)["input_ids"].map(list).tolist() == table["input_ids"].map(list).tolist()
-    assert prompts(1)["input_ids"].map(len).tolist() != lengths.tolist()
+    assert table["review_id"].tolist() == reviews["train"]["review_id"].tolist()
+    assert table["label"].tolist() == reviews["train"]["label"].tolist()
 
 
-def test_pairs(imdb_dir: Path, tokenizer) -> None:
-    reviews = filter_reviews(load_imdb(str(imdb_dir), None, ["train"])["train"], 200, "x")
-    ids = tokenize(reviews["text"], tokenizer)
-    pairs = build_pairs(reviews, ids, tokenizer, 50, 4, 6, False, np.random.default_rng(0), "x").to_pandas()
-    label = dict(zip(reviews["review_id"], reviews["label"], strict=True))
-    assert len(pairs) == 50
-    assert all(label[c] == 1 and label[r] == 0 for c, r in zip(pairs["chosen_id"], pairs["rejected_id"], strict=True))
-    lengths = [len(tokenizer(t, add_special_tokens=False).input_ids) for t in pairs["chosen"]]
-    assert min(lengths) >= 3 and max(lengths) <= 7  # a decoded cut may re-tokenize one token differently
+def test_prompts_are_seeded(reviews, ids, tokenizer) -> None:
+    first = prompts(reviews["train"], ids["train"], tokenizer, seed=0)["input_ids"].map(list).tolist()
+    assert prompts(reviews["train"], ids["train"], tokenizer, seed=0)["input_ids"].map(list).tolist() == first
+    assert prompts(reviews["train"], ids["train"], tokenizer, seed=1)["input_ids"].map(list).tolist() != first
+    # one generator per output: the eval prompts do not shift when another output draws more numbers
+    assert generator(0, "prompts/eval").random(4).tolist() == generator(0, "prompts/eval").random(4).tolist()
+    assert generator(0, "prompts/eval").random(4).tolist() != generator(0, "pairs/test").random(4).tolist()
 
 
-def test_pairs_by_rating(imdb_dir: Path, tokenizer) -> None:
-    reviews = filter_reviews(load_imdb(str(imdb_dir), None, ["train"])["train"], 200, "x")
-    ids = tokenize(reviews["text"], tokenizer)
-    pairs = build_pairs(reviews, ids, tokenizer, 40, 4, 6, True, np.random.default_rng(0), "x").to_pandas()
-    assert (pairs["chosen_rating"] > pairs["rejected_rating"]).all()
+def test_prompt_cap(reviews, ids, tokenizer, caplog: pytest.LogCaptureFixture) -> None:
+    test, n = reviews["test"], 20
+    table = prompts(test, ids["test"], tokenizer, seed=0, n=n)
+    assert len(table) == n and table["review_id"].is_unique
+    position = {rid: i for i, rid in enumerate(test["review_id"])}
+    assert sorted(table["review_id"], key=position.get) == table["review_id"].tolist()  # file order
+    assert table["review_id"].tolist() != prompts(test, ids["test"], tokenizer, seed=1, n=n)["review_id"].tolist()
+    with caplog.at_level(logging.WARNING):
+        assert len(prompts(test, ids["test"], tokenizer, seed=0, n=10_000)) == len(test)
+    assert caplog.messages == [f"x: 10000 prompts asked, only {len(test)} reviews pass the filter: using all of them"]
+
+
+# --- pairs -------------------------------------------------------------------------------------------------------
+
+
+def pairs(reviews, ids, tokenizer, split: str, n: int, by_rating: bool = False, seed: int = 0) -> pd.DataFrame:
+    return build_pairs(reviews[split], ids[split], tokenizer, n, 4, 12, by_rating, np.random.default_rng(seed),
+                       split).to_pandas()
+
+
+def assert_openings(table: pd.DataFrame, reviews: pd.DataFrame, ids: list[list[int]], tokenizer) -> None:
+    """Each side is its review's first k tokens, decoded, with k in [4, 12]; ratings are the review's."""
+    row = {rid: i for i, rid in enumerate(reviews["review_id"])}
+    for side in ("chosen", "rejected"):
+        for text, rid, rating in zip(table[side], table[f"{side}_id"], table[f"{side}_rating"], strict=True):
+            tokens = ids[row[rid]]
+            assert text in {tokenizer.decode(tokens[:k]) for k in range(4, 13)}
+            assert rating == reviews["rating"][row[rid]]
+
+
+def test_pairs_positive_over_negative(reviews, ids, tokenizer) -> None:
+    table = pairs(reviews, ids, tokenizer, "train", 50)
+    label = dict(zip(reviews["train"]["review_id"], reviews["train"]["label"], strict=True))
+    assert len(table) == 50
+    assert all(label[c] == 1 and label[r] == 0 for c, r in zip(table["chosen_id"], table["rejected_id"], strict=True))
+    assert table["chosen_id"].is_unique and table["rejected_id"].is_unique  # no repeats while reviews last
+    assert_openings(table, reviews["train"], ids["train"], tokenizer)
+    lengths = {len(tokenizer(t, add_special_tokens=False).input_ids) for t in table["chosen"]}
+    assert len(lengths) > 4  # each side draws its own length
+    assert table.equals(pairs(reviews, ids, tokenizer, "train", 50))
+    assert not table.equals(pairs(reviews, ids, tokenizer, "train", 50, seed=1))
+
+
+def test_test_pairs_come_from_the_test_split(reviews, ids, tokenizer) -> None:
+    table = pairs(reviews, ids, tokenizer, "test", 30)
+    test_ids = set(reviews["test"]["review_id"])
+    assert set(table["chosen_id"]) | set(table["rejected_id"]) <= test_ids
+    assert not test_ids & set(reviews["train"]["review_id"])
+    assert_openings(table, reviews["test"], ids["test"], tokenizer)
+
+
+def test_pairs_repeat_reviews_evenly_only_when_needed(reviews, ids, tokenizer) -> None:
+    n_pos = int((reviews["test"]["label"] == 1).sum())
+    table = pairs(reviews, ids, tokenizer, "test", 2 * n_pos + 3)
+    uses = table["chosen_id"].value_counts()
+    assert len(uses) == n_pos and set(uses) == {2, 3}
+
+
+def test_pairs_by_rating(reviews, ids, tokenizer) -> None:
+    table = pairs(reviews, ids, tokenizer, "train", 300, by_rating=True)  # more pairs than one round gives
+    assert len(table) == 300
+    assert (table["chosen_rating"] > table["rejected_rating"]).all()
+    label = dict(zip(reviews["train"]["review_id"], reviews["train"]["label"], strict=True))
+    assert {label[c] for c in table["chosen_id"]} == {0, 1}  # a 4-star review beats a 2-star one
+    assert_openings(table, reviews["train"], ids["train"], tokenizer)
+
+
+def test_pairs_need_both_sides(reviews, ids, tokenizer) -> None:
+    train = reviews["train"]
+    with pytest.raises(DataError, match=r"^x: pairs need positive and negative reviews \(\d+ positive, 0 negative "
+                                        r"after the filter\)$"):
+        build_pairs(train[train["label"] == 1].reset_index(drop=True), ids["train"], tokenizer, 5, 4, 12, False,
+                    np.random.default_rng(0), "x")
+    with pytest.raises(DataError, match=r"^x: prepare.pairs_by_rating needs reviews with at least two different "
+                                        r"star ratings \(this source has none or one; ratings 0 mean unknown\)$"):
+        build_pairs(train.assign(rating=0), ids["train"], tokenizer, 5, 4, 12, True, np.random.default_rng(0), "x")
+
+
+# --- a user's pairs file -----------------------------------------------------------------------------------------
+
+
+def write_pairs(frame: pd.DataFrame, path: Path) -> Path:
+    frame.to_parquet(path) if path.suffix == ".parquet" else frame.to_json(path, orient="records", lines=True)
+    return path
+
+
+def user_pairs(n: int) -> pd.DataFrame:
+    return pd.DataFrame({"chosen": [f"good {i}" for i in range(n)], "rejected": [f"{i}" for i in range(n)],
+                         "note": "dropped"})
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
 def test_pairs_file_passthrough(tmp_path: Path, suffix: str) -> None:
-    frame = pd.DataFrame({"chosen": [f"good {i}" for i in range(40)], "rejected": [f"bad {i}" for i in range(40)]})
-    path = tmp_path / f"pairs{suffix}"
-    frame.to_parquet(path) if suffix == ".parquet" else frame.to_json(path, orient="records", lines=True)
-    tables = read_pairs_file(path, np.random.default_rng(0))
-    together = pd.concat([tables["train"].to_pandas(), tables["test"].to_pandas()])
-    assert sorted(together["chosen"]) == sorted(frame["chosen"]) and tables["test"].num_rows > 0
+    frame = user_pairs(40)
+    tables = read_pairs_file(write_pairs(frame, tmp_path / f"pairs{suffix}"), np.random.default_rng(0))
+    train, test = tables["train"].to_pandas(), tables["test"].to_pandas()
+    assert list(train.columns) == ["chosen", "rejected", "chosen_id", "rejected_id", "chosen_rating",
+                                   "rejected_rating"]
+    assert len(test) == 4 and len(train) == 36  # a seeded tenth is held out
+    together = pd.concat([train, test]).sort_values("chosen_id", key=lambda ids: ids.str[7:].astype(int))
+    assert together["chosen"].tolist() == frame["chosen"].tolist()
+    assert together["rejected"].tolist() == frame["rejected"].tolist()  # "5" stays a string
+    assert together["chosen_id"].tolist() == [f"chosen_{i}" for i in range(40)]
+    assert set(together["chosen_rating"]) == {0}
+    again = read_pairs_file(tmp_path / f"pairs{suffix}", np.random.default_rng(0))["test"].to_pandas()
+    assert again.equals(test)
+    assert not read_pairs_file(tmp_path / f"pairs{suffix}", np.random.default_rng(1))["test"].to_pandas().equals(test)
 
 
-@pytest.mark.parametrize(("frame", "message"), [
-    (pd.DataFrame({"chosen": ["a"], "other": ["b"]}), r"missing column 'rejected'"),
-    (pd.DataFrame({"chosen": ["a", "b"], "rejected": ["b", " "]}), r"column 'rejected' has an empty or non-text "
-                                                                  r"value in row 1"),
-    (pd.DataFrame({"chosen": pd.Series([], dtype=str), "rejected": pd.Series([], dtype=str)}), r"no pairs"),
+def test_pairs_file_split_ids_and_ratings(tmp_path: Path) -> None:
+    frame = user_pairs(6).assign(split=["train", "test"] * 3, chosen_id=list("abcdef"), chosen_rating=[9.0] * 6,
+                                 rejected_rating=[2, None, 3, 4, 1, 1])
+    tables = read_pairs_file(write_pairs(frame, tmp_path / "pairs.parquet"), np.random.default_rng(0))
+    test = tables["test"].to_pandas()
+    assert test["chosen"].tolist() == ["good 1", "good 3", "good 5"]
+    assert test["chosen_id"].tolist() == ["b", "d", "f"] and test["rejected_id"].tolist() == [
+        "rejected_1", "rejected_3", "rejected_5"]
+    assert test["chosen_rating"].tolist() == [9, 9, 9] and test["rejected_rating"].tolist() == [0, 4, 1]
+
+
+@pytest.mark.parametrize(("name", "frame", "message"), [
+    ("pairs.parquet", pd.DataFrame({"chosen": ["a"], "other": ["b"]}),
+     r"missing column 'rejected' \(columns: chosen, other\)$"),
+    ("pairs.parquet", pd.DataFrame({"chosen": ["a", "b"], "rejected": ["b", " "]}),
+     r"row 1: rejected is ' ', not a non-empty string$"),
+    ("pairs.jsonl", pd.DataFrame({"chosen": ["a", 5], "rejected": ["b", "c"]}), r"row 1: chosen is 5, not a "
+                                                                                r"non-empty string$"),
+    ("pairs.parquet", pd.DataFrame({"chosen": pd.Series([], dtype=str), "rejected": pd.Series([], dtype=str)}),
+     r"no pairs$"),
+    ("pairs.parquet", pd.DataFrame({"chosen": ["a", "b"], "rejected": ["c", "d"], "split": ["train", "dev"]}),
+     r"row 1: split 'dev' is not train or test$"),
+    ("pairs.parquet", pd.DataFrame({"chosen": ["a", "b"], "rejected": ["c", "d"], "split": ["train", "train"]}),
+     r"needs pairs for both train and test \(0 of 2 are test\)$"),
+    ("pairs.parquet", pd.DataFrame({"chosen": ["a"], "rejected": ["c"]}), r"needs pairs for both train and test "
+                                                                          r"\(0 of 1 are test\)$"),
+    ("pairs.parquet", pd.DataFrame({"chosen": ["a"], "rejected": ["c"], "chosen_rating": ["ten"]}),
+     r"row 0: chosen_rating 'ten' is not a number$"),
 ])
-def test_bad_pairs_file(tmp_path: Path, frame: pd.DataFrame, message: str) -> None:
-    frame.to_parquet(tmp_path / "pairs.parquet")
-    with pytest.raises(DataError, match=message):
-        read_pairs_file(tmp_path / "pairs.parquet", np.random.default_rng(0))
+def test_bad_pairs_file(tmp_path: Path, name: str, frame: pd.DataFrame, message: str) -> None:
+    path = write_pairs(frame, tmp_path / name)
+    with pytest.raises(DataError, match=f"^{path}: {message}"):
+        read_pairs_file(path, np.random.default_rng(0))
 
 
-# --- the stage ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("pairs.jsonl", b"", "empty file"),
+    ("pairs.jsonl", b'{"chosen": "a", "rejected": \n', "unreadable pairs file: "),
+    ("pairs.parquet", b"PAR1 not really", "unreadable pairs file: "),
+    ("pairs.csv", b"chosen,rejected\na,b\n", "prepare.pairs_source must be a .parquet or .jsonl file"),
+])
+def test_unreadable_pairs_file(tmp_path: Path, name: str, content: bytes, message: str) -> None:
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError) as caught:
+        read_pairs_file(tmp_path / name, np.random.default_rng(0))
+    assert str(caught.value).startswith(f"{tmp_path / name}: {message}")
+    assert "\n" not in str(caught.value)
 
 
-def configure(project: Path, imdb_dir: Path, tokenizer_dir: Path, **extra: object) -> None:
-    set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir),
-                           "prepare.eval_prompts": 20, "prepare.train_pairs": 30, "prepare.test_pairs": 10, **extra})
-
-
-def run_prepare(project: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stages.prepare"], cwd=project, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(project)})
-
-
-def test_stage_outputs(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> None:
-    configure(project, imdb_dir, tokenizer_dir)
-    result = run_prepare(project)
-    assert result.returncode == 0, result.stderr
-    train = pq.read_table(project / "data/prompts/train.parquet")
-    assert train.schema.field("input_ids").type.value_type.bit_width == 32
-    n_long = sum(len(t) > 200 for t in pd.read_parquet(imdb_dir / "train.parquet")["text"])
-    assert train.num_rows == n_long
-    assert pq.read_table(project / "data/prompts/eval.parquet").num_rows == 20
-    test_ids = set(pd.read_parquet(imdb_dir / "test.parquet")["review_id"])
-    pairs_test = pd.read_parquet(project / "data/pairs/test.parquet")
-    assert len(pairs_test) == 10 and set(pairs_test["chosen_id"]) <= test_ids
-    metrics = yaml.safe_load((project / "metrics/prepare.json").read_text())
-    assert metrics["prompts"] == {"train": n_long, "eval": 20}
-
-
-def test_failed_run_leaves_previous_outputs(project: Path, imdb_dir: Path, tokenizer_dir: Path,
-                                            tmp_path: Path) -> None:
-    configure(project, imdb_dir, tokenizer_dir)
-    assert run_prepare(project).returncode == 0
-    before = (project / "data/prompts/train.parquet").read_bytes()
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    make_split(10, seed=1).to_parquet(bad / "train.parquet")  # no test split
-    set_params(project, **{"data.source": str(bad)})
-    result = run_prepare(project)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {bad}/test.parquet: missing")
-    assert (project / "data/prompts/train.parquet").read_bytes() == before
-    assert not [p for p in (project / "data").rglob("*.tmp")]
-
-
-def test_dvc_repro_caches_and_ignores_ppo_params(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> None:
-    raw = project / "data/raw/imdb"
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    import shutil
-
-    shutil.copytree(imdb_dir, raw)
-    configure(project, Path("data/raw/imdb"), tokenizer_dir)
-    dvc(project, "repro", "prepare")
-    assert (project / "data/pairs/train.parquet").exists()
-    assert "didn't change, skipping" in dvc(project, "repro", "prepare").stdout
-    set_params(project, **{"ppo.init_kl_coef": 0.05, "evaluate.batch_size": 3})
-    assert "prepare" not in dvc(project, "status", "prepare").stdout
-    frame = pd.read_parquet(raw / "train.parquet")
-    frame.loc[1, "text"] = frame.loc[1, "text"] + " An edited review that is now surely long enough to pass. " * 5
-    frame.to_parquet(raw / "train.parquet")
-    assert "changed deps" in dvc(project, "status", "prepare").stdout
+# --- the real data -----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_real_imdb_gives_24895_train_prompts(shared_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.shared
+def test_real_imdb_gives_24895_train_prompts(shared_dir: Path) -> None:
     tokenizer = load_tokenizer(str(shared_dir / "gpt2-tokenizer"), ModelParams())
-    train = filter_reviews(load_imdb(str(shared_dir / "imdb"), None, ["train"])["train"], 200, "x")
+    train = filter_reviews(load_imdb(str(shared_dir / "imdb"), None, ["train"])["train"], 200, "train")
     assert len(train) == 24_895
-    ids = tokenize(train["text"], tokenizer)
-    prompts = build_prompts(train, ids, tokenizer, None, 2, 8, np.random.default_rng(0))
-    assert prompts.num_rows == 24_895
-
+    ids = tokenize(train["text"].tolist(), tokenizer, 8)
+    table = build_prompts(train, ids, tokenizer, None, 2, 8, np.random.default_rng(0), "train").to_pandas()
+    assert len(table) == 24_895 and set(table["input_ids"].map(len)) == set(range(2, 9))
+    sample = train["text"].tolist()[::25]  # 1,000 reviews: the openings give exactly the whole texts' tokens
+    assert tokenize(sample, tokenizer, 32) == [row[:32] for row in whole(sample, tokenizer)]
