@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import compare, ppo_step
 from bench.configs import CONFIGS, load_prompts, mean_padded_length, pass_flops, sample_prompts, stand_in_score
@@ -56,7 +57,11 @@ def test_ppo_step_runs_the_trainer_and_prints_the_result_line(tokenizer_dir: Pat
     argv = ["bench.ppo_step", "--config", "toy", "--iters", "1", "--threads", "1", "--data", str(imdb_dir),
             "--tokenizer", str(tokenizer_dir)]
     monkeypatch.setattr(sys, "argv", argv)
-    ppo_step.main()
+    threads = torch.get_num_threads()
+    try:
+        ppo_step.main()
+    finally:  # --threads 1 is process-wide: later tests would run (and learn) differently
+        torch.set_num_threads(threads)
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
     cfg = CONFIGS["toy"]

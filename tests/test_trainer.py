@@ -71,12 +71,15 @@ def train(trainer: PPOTrainer, steps: int) -> list[dict[str, float]]:
 
 
 @pytest.mark.slow
-def test_reward_goes_up(tiny_gpt2_dir: Path) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_reward_goes_up(tiny_gpt2_dir: Path, precision: str) -> None:
     trainer = make_trainer(tiny_gpt2_dir)
-    stats = train(trainer, 24)
+    trainer.precision = precision
+    stats = train(trainer, 40)
     first = sum(s["objective/scores"] for s in stats[:4]) / 4
     last = sum(s["objective/scores"] for s in stats[-4:]) / 4
-    assert last > first + 0.25, (first, last)
+    # measured at 40 steps: +0.72 to +0.78 in bf16 (1 or 2 threads); at 24 steps bf16 ranged from +0.17 to +0.41
+    assert last > first + 0.4, (first, last)
 
 
 def exact_kl(trainer: PPOTrainer) -> float:
