@@ -1,0 +1,114 @@
+"""Kill -9 a ppo run at random moments, rerun it, and get exactly what an uninterrupted run gets (CPU, tiny models).
+
+Also: a changed param ignores the old run's checkpoint, and a completed run leaves no checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import set_params
+from safetensors.torch import load_file
+from test_ppo_stage import TINY, run, write_prompts
+
+CHECKPOINTS = "data/checkpoints/ppo"
+STEPS = 40  # ~0.05 s each after ~8 s of start-up: long enough for a kill to land mid-run
+RESUMABLE = TINY | {"ppo.steps": STEPS, "ppo.checkpoint_every": 3}  # the last chunk is one step: not a boundary
+WALL_TIME = ("time/", "throughput/", "seconds")  # the only values allowed to differ between runs
+
+
+@pytest.fixture
+def resumable_project(project: Path, tiny_gpt2_dir: Path, tiny_classifier_dir: Path, tokenizer_dir: Path) -> Path:
+    write_prompts(project, tokenizer_dir)
+    set_params(project, **{"model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
+                           **RESUMABLE})
+    return project
+
+
+def newest_checkpoint(project: Path) -> str | None:
+    folder = project / CHECKPOINTS
+    names = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
+    return names[-1] if names else None
+
+
+def start(project: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "stages.ppo"], cwd=project, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(project)})
+
+
+def kill_after_progress(project: Path, delay: float) -> str | None:
+    """Start the stage, wait for a checkpoint newer than the one it resumed from, then SIGKILL it after a random
+    delay (mid-step, mid-flush or mid-save). Returns the newest checkpoint left behind (None: the run finished)."""
+    before = newest_checkpoint(project)
+    process = start(project)
+    deadline = time.monotonic() + 120
+    while newest_checkpoint(project) in (None, before) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(delay)
+    if process.poll() is not None:
+        assert process.returncode == 0, process.stderr.read()
+        return None
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    return newest_checkpoint(project)
+
+
+def outputs(project: Path) -> dict[str, object]:
+    """Everything the ppo stage writes, with wall times dropped."""
+    policy = project / "models/policy"
+    curves = {path.relative_to(project).as_posix(): path.read_text()
+              for path in sorted((project / "metrics/ppo/plots/metrics").rglob("*.tsv"))
+              if not path.relative_to(project / "metrics/ppo/plots/metrics").as_posix().startswith(WALL_TIME)}
+    summary = json.loads((project / "metrics/ppo.json").read_text())
+    return {
+        "weights": {k: v.tolist() for k, v in load_file(policy / "model.safetensors").items()},
+        "value_head": {k: v.tolist() for k, v in load_file(policy / "value_head.safetensors").items()},
+        "summary": {k: v for k, v in summary.items() if not k.startswith(WALL_TIME)},
+        "curves": curves,
+        "rollout_files": sorted(p.name for p in (project / "data/rollouts").iterdir()),
+    }
+
+
+@pytest.mark.slow
+def test_killed_runs_resume_to_the_uninterrupted_result(resumable_project: Path, tmp_path: Path) -> None:
+    reference = tmp_path / "uninterrupted"
+    shutil.copytree(resumable_project, reference)
+    result = run(reference)
+    assert result.returncode == 0, result.stderr
+    assert not (reference / CHECKPOINTS).exists(), "a completed run keeps no checkpoints"
+
+    rng = random.Random()
+    left = [kill_after_progress(resumable_project, rng.uniform(0.0, 0.6)) for _ in range(3)]
+    assert any(left), "no kill left a checkpoint to resume from"
+    result = run(resumable_project)
+    assert result.returncode == 0, result.stderr
+    if left[-1] is not None:
+        assert f"resuming after step {int(left[-1].removeprefix('step-'))}" in result.stderr
+
+    rollouts = pd.read_parquet(resumable_project / "data/rollouts")
+    assert rollouts.groupby("step").size().to_dict() == {step: 4 for step in range(STEPS)}  # each step once
+    pd.testing.assert_frame_equal(rollouts, pd.read_parquet(reference / "data/rollouts"))
+    resumed, uninterrupted = outputs(resumable_project), outputs(reference)
+    for key in uninterrupted:
+        assert resumed[key] == uninterrupted[key], key
+    assert not (resumable_project / CHECKPOINTS).exists()
+
+
+@pytest.mark.slow
+def test_a_changed_param_ignores_the_old_checkpoint(resumable_project: Path) -> None:
+    assert kill_after_progress(resumable_project, delay=0.0) is not None
+    set_params(resumable_project, **{"ppo.learning_rate": 1e-3, "ppo.steps": 4})
+    result = run(resumable_project)
+    assert result.returncode == 0, result.stderr
+    assert "another run's checkpoint" in result.stderr and "resuming" not in result.stderr
+    assert sorted(pd.read_parquet(resumable_project / "data/rollouts")["step"].unique()) == [0, 1, 2, 3]
