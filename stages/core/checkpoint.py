@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from collections.abc import Iterable
@@ -162,12 +163,20 @@ def checkpoints(folder: Path) -> list[Path]:
     return sorted(folder.glob(f"{PREFIX}[0-9]*")) if folder.is_dir() else []
 
 
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's state.json; {} (matches no run) when it is missing or unreadable, e.g. edited by hand."""
+    try:
+        return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
 def find(folder: Path, fingerprint: str, prune: bool = True) -> Checkpoint | None:
     """The newest checkpoint of this run, if any. With ``prune`` (the main process), checkpoints of other runs and
     temporaries of killed saves are removed, with a log line."""
     found = None
     for path in reversed(checkpoints(folder)):
-        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        state = read_state(path)
         if state.get("fingerprint") == fingerprint and found is None:
             found = Checkpoint(path, state["step"], state)
         elif prune:
@@ -185,7 +194,13 @@ def load_weights(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
 
 
 def load_optimizer_state(checkpoint: Checkpoint) -> dict[str, Any]:
-    return torch.load(checkpoint.path / OPTIMIZER_FILE, weights_only=True)
+    """weights_only: a file that would run code when unpickled is refused, not executed."""
+    path = checkpoint.path / OPTIMIZER_FILE
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise PipelineError(f"{path}: refused: it pickles objects other than tensors, which could run code when "
+                            f"loaded; delete {checkpoint.path.parent} to start the run over") from None
 
 
 def restore_files(checkpoint: Checkpoint, files: dict[str, Path]) -> None:
