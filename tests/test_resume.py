@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import set_params
+from conftest import TINY, set_params
 from safetensors.torch import load_file
-from test_ppo_stage import TINY, run, write_prompts
+from test_ppo_stage import run
 
 CHECKPOINTS = "data/checkpoints/ppo"
 STEPS = 40  # ~0.05 s each after ~8 s of start-up: long enough for a kill to land mid-run
@@ -28,11 +28,9 @@ WALL_TIME = ("time/", "throughput/", "seconds")  # the only values allowed to di
 
 
 @pytest.fixture
-def resumable_project(project: Path, tiny_gpt2_dir: Path, tiny_classifier_dir: Path, tokenizer_dir: Path) -> Path:
-    write_prompts(project, tokenizer_dir)
-    set_params(project, **{"model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
-                           **RESUMABLE})
-    return project
+def resumable_project(ppo_project: Path) -> Path:
+    set_params(ppo_project, **RESUMABLE)
+    return ppo_project
 
 
 def newest_checkpoint(project: Path) -> str | None:
