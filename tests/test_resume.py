@@ -1,6 +1,7 @@
 """Kill -9 a ppo run at random moments, rerun it, and get exactly what an uninterrupted run gets (CPU, tiny models).
 
-Also: a changed param ignores the old run's checkpoint, and a completed run leaves no checkpoint behind.
+Also: a changed param ignores the old run's checkpoint, a completed run leaves no checkpoint behind, and a NaN stop
+keeps the last good checkpoint and rollout files, from which ``ppo.nan_policy: skip`` resumes.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from conftest import TINY, set_params
 from safetensors.torch import load_file
 from test_ppo_stage import run
+
+from stages.core.errors import TrainingError
+from stages.core.loop import train
+from stages.core.params import load_params
 
 CHECKPOINTS = "data/checkpoints/ppo"
 STEPS = 40  # ~0.05 s each after ~8 s of start-up: long enough for a kill to land mid-run
@@ -110,3 +116,38 @@ def test_a_changed_param_ignores_the_old_checkpoint(resumable_project: Path) -> 
     assert result.returncode == 0, result.stderr
     assert "another run's checkpoint" in result.stderr and "resuming" not in result.stderr
     assert sorted(pd.read_parquet(resumable_project / "data/rollouts")["step"].unique()) == [0, 1, 2, 3]
+
+
+class LengthScorer:
+    """Response length / 10, and NaN on the ``nan_call``-th call (one call per PPO step)."""
+
+    name = "length"
+
+    def __init__(self, nan_call: int | None = None) -> None:
+        self.calls, self.nan_call = 0, nan_call
+
+    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+        self.calls += 1
+        scores = torch.tensor([len(r) / 10 for r in responses])
+        if self.calls == self.nan_call:
+            scores[0] = float("nan")
+        return scores
+
+
+@pytest.mark.slow
+def test_a_nan_stop_keeps_the_last_checkpoint_and_logs_and_skip_resumes_from_them(
+        ppo_project: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    set_params(ppo_project, **{"ppo.steps": 8, "ppo.checkpoint_every": 2})
+    monkeypatch.chdir(ppo_project)
+    with pytest.raises(TrainingError, match=r"^step 5: score: the reward scorer returned NaN/inf"):
+        train(load_params(), LengthScorer(nan_call=6))
+    assert newest_checkpoint(ppo_project) == "step-000003"
+    assert sorted(p.name for p in (ppo_project / "data/rollouts").iterdir()) == [
+        "steps-000000-000001.parquet", "steps-000002-000003.parquet"]
+
+    set_params(ppo_project, **{"ppo.nan_policy": "skip"})
+    caplog.set_level("INFO")
+    summary = train(load_params(), LengthScorer())
+    assert "resuming after step 3" in caplog.text
+    assert sorted(pd.read_parquet("data/rollouts")["step"].unique()) == list(range(8))
+    assert summary["skipped_batches"] == 0

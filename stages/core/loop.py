@@ -149,9 +149,12 @@ def run_fingerprint(params: Params, processes: int) -> str:
     """What determines a PPO run: the params the stage reads, its input files, the code, versions, processes."""
     import transformers
 
+    # nan_policy is left out: a run under "stop" has met no NaN before its last checkpoint, so after a NaN stop,
+    # switching to "skip" resumes from that checkpoint instead of step 0
+    ppo = dataclasses.asdict(params.ppo) | {"nan_policy": None}
     config = {"seed": params.seed, "model": dataclasses.asdict(params.model), "sft.enabled": params.sft.enabled,
               "reward.train": params.reward.train, "reward.model": params.reward.model,
-              "reward.positive_label": params.reward.positive_label, "ppo": dataclasses.asdict(params.ppo),
+              "reward.positive_label": params.reward.positive_label, "ppo": ppo,
               "processes": processes, "torch": torch.__version__, "transformers": transformers.__version__}
     policy, tokenizer, _ = initial_policy(params)
     inputs = [PROMPTS, policy, tokenizer, reward_model_path(params)[0], CODE_DIR]
