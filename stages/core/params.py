@@ -156,8 +156,10 @@ class PpoParams:
     disable_dropout: bool = True
     value_model: Literal["shared", "separate"] = "shared"
     """'shared': a value head on the policy's backbone; 'separate': a critic model initialised from the policy."""
-    checkpoint_every: int = 10
-    """Steps per rollout-log file (0: 10). Resumable checkpoints at this interval are not implemented yet."""
+    checkpoint_every: int | None = 10
+    """Steps per rollout-log file and per resumable checkpoint in data/checkpoints/ppo/ (kept outside DVC's outputs,
+    keyed by a fingerprint of the run; a rerun after a kill resumes from the newest). 0 or null: no checkpoints,
+    rollout files of 10 steps."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/inf score, loss or gradient: stop with a message, or skip the batch and count it."""
 
