@@ -37,6 +37,7 @@ from stages.core.errors import PipelineError
 log = logging.getLogger(__name__)
 
 ROOT = Path("data/checkpoints")
+CODE_DIR = Path(__file__).resolve().parents[1]  # the stages package
 PREFIX = "step-"
 STATE_FILE = "state.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -74,9 +75,15 @@ def hash_paths(paths: Iterable[Path | str]) -> str:
 
 
 def fingerprint(config: dict[str, Any], paths: Iterable[Path | str]) -> str:
-    """What determines a run: ``config`` (params, versions, process count) and the content of ``paths``."""
+    """What determines a run: ``config`` (the params it reads, ...), the content of the existing ``paths`` (inputs;
+    Hub ids are not paths and are pinned by the params), the pipeline's code and the library versions. A code change
+    restarts a run: a checkpoint of other code could not be continued to the same result."""
+    import transformers
+
+    config = config | {"torch": torch.__version__, "transformers": transformers.__version__}
     text = json.dumps(config, sort_keys=True, default=str)
-    return hashlib.sha256(f"{text}\n{hash_paths(paths)}".encode()).hexdigest()[:16]
+    inputs = sorted({Path(p) for p in paths if Path(p).exists()} | {CODE_DIR})
+    return hashlib.sha256(f"{text}\n{hash_paths(inputs)}".encode()).hexdigest()[:16]
 
 
 # --- RNG states ------------------------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ ROLLOUTS_DIR = Path("data/rollouts")
 CURVES_DIR = Path("metrics/ppo")
 CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
 CHECKPOINT_DIR = checkpoint.ROOT / "ppo"
-CODE_DIR = Path(__file__).resolve().parents[1]  # the stages package: a code change restarts a run from step 0
 
 
 @dataclass
@@ -146,19 +145,15 @@ def run_step(trainer: PPOTrainer, query_ids: list[list[int]], queries: list[str]
 
 
 def run_fingerprint(params: Params, processes: int) -> str:
-    """What determines a PPO run: the params the stage reads, its input files, the code, versions, processes."""
-    import transformers
-
+    """What determines a PPO run: the params the stage reads, its input files, the number of processes."""
     # nan_policy is left out: a run under "stop" has met no NaN before its last checkpoint, so after a NaN stop,
     # switching to "skip" resumes from that checkpoint instead of step 0
     ppo = dataclasses.asdict(params.ppo) | {"nan_policy": None}
     config = {"seed": params.seed, "model": dataclasses.asdict(params.model), "sft.enabled": params.sft.enabled,
               "reward.train": params.reward.train, "reward.model": params.reward.model,
-              "reward.positive_label": params.reward.positive_label, "ppo": ppo,
-              "processes": processes, "torch": torch.__version__, "transformers": transformers.__version__}
+              "reward.positive_label": params.reward.positive_label, "ppo": ppo, "processes": processes}
     policy, tokenizer, _ = initial_policy(params)
-    inputs = [PROMPTS, policy, tokenizer, reward_model_path(params)[0], CODE_DIR]
-    return checkpoint.fingerprint(config, sorted({Path(p) for p in inputs if Path(p).exists()}))
+    return checkpoint.fingerprint(config, [PROMPTS, policy, tokenizer, reward_model_path(params)[0]])
 
 
 @dataclass
