@@ -39,24 +39,25 @@ def resumable_project(ppo_project: Path) -> Path:
     return ppo_project
 
 
-def newest_checkpoint(project: Path) -> str | None:
-    folder = project / CHECKPOINTS
+def newest_checkpoint(project: Path, stage: str = "ppo") -> str | None:
+    folder = project / "data/checkpoints" / stage
     names = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
     return names[-1] if names else None
 
 
-def start(project: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "stages.ppo"], cwd=project, stdout=subprocess.DEVNULL,
+def start(project: Path, stage: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", f"stages.{stage}"], cwd=project, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(project)})
 
 
-def kill_after_progress(project: Path, delay: float) -> str | None:
+def kill_after_progress(project: Path, delay: float, stage: str = "ppo") -> str | None:
     """Start the stage, wait for a checkpoint newer than the one it resumed from, then SIGKILL it after a random
     delay (mid-step, mid-flush or mid-save). Returns the newest checkpoint left behind (None: the run finished)."""
-    before = newest_checkpoint(project)
-    process = start(project)
+    before = newest_checkpoint(project, stage)
+    process = start(project, stage)
     deadline = time.monotonic() + 120
-    while newest_checkpoint(project) in (None, before) and process.poll() is None and time.monotonic() < deadline:
+    while (newest_checkpoint(project, stage) in (None, before) and process.poll() is None
+           and time.monotonic() < deadline):
         time.sleep(0.02)
     time.sleep(delay)
     if process.poll() is not None:
@@ -64,7 +65,7 @@ def kill_after_progress(project: Path, delay: float) -> str | None:
         return None
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    return newest_checkpoint(project)
+    return newest_checkpoint(project, stage)
 
 
 def outputs(project: Path) -> dict[str, object]:
@@ -151,3 +152,37 @@ def test_a_nan_stop_keeps_the_last_checkpoint_and_logs_and_skip_resumes_from_the
     assert "resuming after step 3" in caplog.text
     assert sorted(pd.read_parquet("data/rollouts")["step"].unique()) == list(range(8))
     assert summary["skipped_batches"] == 0
+
+
+SFT_STEPS = 40
+SFT = {"sft.enabled": True, "sft.n_layer": 1, "sft.n_embd": 32, "sft.n_head": 2, "sft.n_positions": 64,
+       "sft.block_size": 32, "sft.batch_size": 8, "sft.max_tokens": 8 * 32 * SFT_STEPS, "sft.eval_reviews": 8,
+       "sft.warmup_steps": 10, "sft.checkpoint_every": 5}
+
+
+@pytest.fixture
+def sft_project(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> Path:
+    set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir), **SFT})
+    return project
+
+
+def sft_outputs(project: Path) -> dict[str, object]:
+    metrics = json.loads((project / "metrics/sft.json").read_text())
+    return {"weights": (project / "models/sft/model.safetensors").read_bytes(),
+            "loss": (project / "metrics/sft/loss.csv").read_text(),
+            "metrics": {k: v for k, v in metrics.items() if k not in ("seconds", "tokens_per_s")}}
+
+
+@pytest.mark.slow
+def test_a_killed_sft_run_resumes_to_the_uninterrupted_result(sft_project: Path, tmp_path: Path) -> None:
+    reference = tmp_path / "uninterrupted"
+    shutil.copytree(sft_project, reference)
+    assert run(reference, sys.executable, "-m", "stages.sft").returncode == 0
+
+    rng = random.Random()
+    left = [kill_after_progress(sft_project, rng.uniform(0.0, 0.5), "sft") for _ in range(2)]
+    assert any(left), "no kill left a checkpoint to resume from"
+    result = run(sft_project, sys.executable, "-m", "stages.sft")
+    assert result.returncode == 0, result.stderr
+    assert sft_outputs(sft_project) == sft_outputs(reference)
+    assert not (sft_project / "data/checkpoints/sft").exists()

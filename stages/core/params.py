@@ -94,6 +94,9 @@ class SftParams:
     """Data-source splits to train on (never 'test': that is where perplexity is measured)."""
     eval_reviews: int = 500
     """Test-split reviews used for held-out perplexity."""
+    checkpoint_every: int | None = 50
+    """Optimizer steps per resumable checkpoint in data/checkpoints/sft/ (a rerun after a kill resumes from the
+    newest); 0 or null: off."""
 
 
 @dataclass(frozen=True)
@@ -322,7 +325,7 @@ def _validate(p: Params, root: Path) -> None:
         _existing_path("sft.base", s.base, root)
     _positive(s, "sft", "n_layer", "n_embd", "n_head", "n_positions", "max_tokens", "block_size", "batch_size",
               "gradient_accumulation_steps", "learning_rate", "eval_reviews")
-    _non_negative(s, "sft", "weight_decay", "warmup_steps")
+    _non_negative(s, "sft", "weight_decay", "warmup_steps", "checkpoint_every")
     _require(0.0 <= s.dropout < 1.0, "sft.dropout", "must be in [0, 1)", s.dropout)
     _require(s.n_embd % s.n_head == 0, "sft.n_embd", f"must be divisible by sft.n_head ({s.n_head})", s.n_embd)
     if s.base == "scratch":
