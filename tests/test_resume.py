@@ -22,6 +22,7 @@ import torch
 from conftest import TINY, set_params
 from safetensors.torch import load_file
 from test_ppo_stage import run
+from test_sft_reward import signal_pairs
 
 from stages.core.errors import TrainingError
 from stages.core.loop import train
@@ -154,35 +155,48 @@ def test_a_nan_stop_keeps_the_last_checkpoint_and_logs_and_skip_resumes_from_the
     assert summary["skipped_batches"] == 0
 
 
-SFT_STEPS = 40
-SFT = {"sft.enabled": True, "sft.n_layer": 1, "sft.n_embd": 32, "sft.n_head": 2, "sft.n_positions": 64,
-       "sft.block_size": 32, "sft.batch_size": 8, "sft.max_tokens": 8 * 32 * SFT_STEPS, "sft.eval_reviews": 8,
-       "sft.warmup_steps": 10, "sft.checkpoint_every": 5}
+# each stage trains a tiny model for ~40 steps with a checkpoint every 5: the sft run draws blocks from a generator,
+# the reward run shuffles the pairs once per epoch (2 epochs), so both kinds of resumed data order are covered
+SHAPE = {"sft.n_layer": 1, "sft.n_embd": 32, "sft.n_head": 2, "sft.n_positions": 64, "sft.block_size": 32}
+SETTINGS = {
+    "sft": SHAPE | {"sft.enabled": True, "sft.batch_size": 8, "sft.max_tokens": 8 * 32 * 40,
+                    "sft.eval_reviews": 8, "sft.warmup_steps": 10, "sft.checkpoint_every": 5},
+    "reward": SHAPE | {"reward.train": True, "reward.base": "scratch", "reward.batch_size": 8, "reward.epochs": 2,
+                       "reward.max_length": 16, "reward.checkpoint_every": 5},
+}
+OUTPUTS = {"sft": ["models/sft/model.safetensors", "metrics/sft/loss.csv", "metrics/sft.json"],
+           "reward": ["models/reward/model.safetensors", "metrics/reward/scores.csv", "metrics/reward.json"]}
 
 
-@pytest.fixture
-def sft_project(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> Path:
-    set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir), **SFT})
-    return project
-
-
-def sft_outputs(project: Path) -> dict[str, object]:
-    metrics = json.loads((project / "metrics/sft.json").read_text())
-    return {"weights": (project / "models/sft/model.safetensors").read_bytes(),
-            "loss": (project / "metrics/sft/loss.csv").read_text(),
-            "metrics": {k: v for k, v in metrics.items() if k not in ("seconds", "tokens_per_s")}}
+def stage_outputs(project: Path, stage: str) -> dict[str, object]:
+    files = {}
+    for name in OUTPUTS[stage]:
+        path = project / name
+        files[name] = ({k: v for k, v in json.loads(path.read_text()).items() if not k.startswith(WALL_TIME)
+                        and k != "tokens_per_s"} if path.suffix == ".json" else path.read_bytes())
+    return files
 
 
 @pytest.mark.slow
-def test_a_killed_sft_run_resumes_to_the_uninterrupted_result(sft_project: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_a_killed_sft_or_reward_run_resumes_to_the_uninterrupted_result(
+        stage: str, project: Path, imdb_dir: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
+    set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir), **SETTINGS[stage]})
+    (project / "data/pairs").mkdir(parents=True)
+    signal_pairs(320, 0).to_parquet(project / "data/pairs/train.parquet")  # 2 epochs x 40 steps
+    signal_pairs(16, 1).to_parquet(project / "data/pairs/test.parquet")
     reference = tmp_path / "uninterrupted"
-    shutil.copytree(sft_project, reference)
-    assert run(reference, sys.executable, "-m", "stages.sft").returncode == 0
+    shutil.copytree(project, reference)
+    result = run(reference, sys.executable, "-m", f"stages.{stage}")
+    assert result.returncode == 0, result.stderr
 
     rng = random.Random()
-    left = [kill_after_progress(sft_project, rng.uniform(0.0, 0.5), "sft") for _ in range(2)]
+    # the first kill comes right after a checkpoint (these runs take ~1 s after start-up), the second at random
+    left = [kill_after_progress(project, delay, stage) for delay in (0.0, rng.uniform(0.0, 0.3))]
     assert any(left), "no kill left a checkpoint to resume from"
-    result = run(sft_project, sys.executable, "-m", "stages.sft")
+    result = run(project, sys.executable, "-m", f"stages.{stage}")
     assert result.returncode == 0, result.stderr
-    assert sft_outputs(sft_project) == sft_outputs(reference)
-    assert not (sft_project / "data/checkpoints/sft").exists()
+    if left[-1] is not None:
+        assert f"{stage}: resuming after step {int(left[-1].removeprefix('step-'))}" in result.stderr
+    assert stage_outputs(project, stage) == stage_outputs(reference, stage)
+    assert not (project / "data/checkpoints" / stage).exists()

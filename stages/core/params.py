@@ -119,6 +119,9 @@ class RewardParams:
     center_coef: float = 0.01
     """Weight of mean((r_chosen + r_rejected)^2) in the loss: keeps scores centred on 0, so 'score > 0' reads as
     'more positive than the average snippet' (Eisenstein et al. 2023; TRL's center_rewards_coefficient)."""
+    checkpoint_every: int | None = 100
+    """Optimizer steps per resumable checkpoint in data/checkpoints/reward/ (a rerun after a kill resumes from the
+    newest); 0 or null: off."""
 
 
 @dataclass(frozen=True)
@@ -341,7 +344,7 @@ def _validate(p: Params, root: Path) -> None:
              "is 'sft' but sft.enabled is false (enable sft or name another base)", r.base)
     _existing_path("reward.model", r.model, root)
     _positive(r, "reward", "epochs", "learning_rate", "batch_size", "max_length")
-    _non_negative(r, "reward", "center_coef")
+    _non_negative(r, "reward", "center_coef", "checkpoint_every")
 
     o = p.ppo
     _positive(o, "ppo", "steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from dataclasses import dataclass
@@ -19,8 +18,6 @@ from stages.core.errors import DataError, ModelError, TrainingError
 from stages.core.modeling import context_size, load_causal_lm
 from stages.core.params import Params
 from stages.core.training import autocast, warmup_cosine
-
-log = logging.getLogger("sft")
 
 
 def build_model(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
@@ -110,7 +107,8 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
     schedule = warmup_cosine(optimizer, min(s.warmup_steps, steps // 2), steps)
     losses: list[tuple[int, float]] = []
     fingerprint = run_fingerprint(params) if s.checkpoint_every else None
-    found = resume(lm, optimizer, schedule, generator, fingerprint) if fingerprint else None
+    found = checkpoint.resume_training(CHECKPOINT_DIR, fingerprint, "sft.checkpoint_every", lm, optimizer, schedule,
+                                       {"blocks": generator}) if fingerprint else None
     earlier = 0.0  # seconds spent before a resume
     if found is not None:
         losses, earlier = [tuple(pair) for pair in found.state["losses"]], found.state["seconds"]
@@ -134,27 +132,8 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
         elapsed = time.perf_counter() - start
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{(step + 1 - first) * tokens_per_step / elapsed:.0f}")
         if fingerprint and (step + 1) % s.checkpoint_every == 0 and step + 1 < steps:
-            checkpoint.save(CHECKPOINT_DIR, step, lm, {"optimizer": optimizer.state_dict(),
-                                                       "schedule": schedule.state_dict()},
-                            {"fingerprint": fingerprint, "losses": losses, "seconds": earlier + elapsed,
-                             "rng": checkpoint.rng_states({"blocks": generator})}, {})
+            checkpoint.save_training(CHECKPOINT_DIR, fingerprint, step, lm, optimizer, schedule, {"blocks": generator},
+                                     {"losses": losses, "seconds": earlier + elapsed})
     if fingerprint:
         checkpoint.clear(CHECKPOINT_DIR)
     return SftResult(losses, steps * tokens_per_step, earlier + time.perf_counter() - start)
-
-
-def resume(lm: PreTrainedModel, optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
-           generator: torch.Generator, fingerprint: str) -> checkpoint.Checkpoint | None:
-    """Load the newest checkpoint of this run into the model, optimizer, schedule and RNGs; None when there is none.
-    Checks the disk first: a checkpoint is written before the previous one is removed."""
-    checkpoint.check_free_space(CHECKPOINT_DIR, checkpoint.checkpoint_bytes(lm), "sft.checkpoint_every")
-    found = checkpoint.find(CHECKPOINT_DIR, fingerprint)
-    if found is None:
-        return None
-    checkpoint.load_weights(found, lm)
-    state = checkpoint.load_optimizer_state(found)
-    optimizer.load_state_dict(state["optimizer"])
-    schedule.load_state_dict(state["schedule"])
-    checkpoint.set_rng_states(found.state["rng"], {"blocks": generator})
-    log.info("sft: resuming after step %d from %s", found.step, found.path)
-    return found
