@@ -112,17 +112,19 @@ class PromptBatches:
         self.position = state["position"]
 
 
-def check_prompts(prompts: Prompts, tokenizer: object, lm: torch.nn.Module, response_max_tokens: int) -> None:
-    """Prompts tokenized with another tokenizer, or too long for the model's positions, fail before training."""
+def check_prompts(path: Path, prompts: Prompts, tokenizer: object, lm: torch.nn.Module,
+                  response_max_tokens: int) -> None:
+    """Prompts tokenized with another tokenizer, or too long for the model's positions, fail before any sampling."""
     limit, vocab = context_size(lm) - response_max_tokens, len(tokenizer)
     for row, ids in enumerate(prompts.input_ids):
         if not ids:
-            raise DataError(f"{PROMPTS}: row {row}: empty prompt")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise DataError(f"{PROMPTS}: row {row}: token id {max(ids)} outside the tokenizer's {vocab} ids "
+            raise DataError(f"{path}: row {row}: empty prompt")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise DataError(f"{path}: row {row}: token id {bad[0]} outside the tokenizer's {vocab} ids "
                             "(prompts tokenized with another tokenizer: rerun prepare)")
         if len(ids) > limit:
-            raise DataError(f"{PROMPTS}: row {row}: a {len(ids)}-token prompt + ppo.response_max_tokens="
+            raise DataError(f"{path}: row {row}: a {len(ids)}-token prompt + ppo.response_max_tokens="
                             f"{response_max_tokens} exceed the policy's {context_size(lm)} positions")
 
 
@@ -224,7 +226,7 @@ def train(params: Params, scorer: Scorer | None = None) -> dict[str, float]:
     device = accelerator.device
     seed_everything(params.seed + accelerator.process_index)
     policy, ref, tokenizer = load_models(params, device)
-    check_prompts(prompts, tokenizer, policy.lm, cfg.response_max_tokens)
+    check_prompts(PROMPTS, prompts, tokenizer, policy.lm, cfg.response_max_tokens)
     scorer = scorer or make_reward_scorer(params, device)
     trainer = PPOTrainer(policy, ref, tokenizer, scorer, cfg, device,
                          accelerator if accelerator.num_processes > 1 else None,
