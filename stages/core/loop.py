@@ -160,9 +160,9 @@ def run_fingerprint(params: Params, processes: int) -> str:
 
 @dataclass
 class Checkpointing:
-    """Where and how often the ppo stage checkpoints, and the outputs a checkpoint keeps copies of."""
+    """Where the ppo stage checkpoints (every ppo.checkpoint_every steps, at a rollout-log flush), the run's
+    fingerprint, and the outputs a checkpoint keeps copies of."""
 
-    every: int
     fingerprint: str
     folder: Path = CHECKPOINT_DIR
     files: dict[str, Path] = dataclasses.field(default_factory=lambda: {"rollouts": ROLLOUTS_DIR,
@@ -199,7 +199,7 @@ def find_checkpoint(params: Params, policy: PolicyWithValueHead,
     """The run's checkpointing (None when ppo.checkpoint_every is 0) and the checkpoint to resume from, if any."""
     if not params.ppo.checkpoint_every:
         return None, None
-    ckpt = Checkpointing(params.ppo.checkpoint_every, run_fingerprint(params, accelerator.num_processes))
+    ckpt = Checkpointing(run_fingerprint(params, accelerator.num_processes))
     if accelerator.is_main_process:
         checkpoint.check_free_space(ckpt.folder, checkpoint.checkpoint_bytes(policy), "ppo.checkpoint_every")
         found = checkpoint.find(ckpt.folder, ckpt.fingerprint, prune=True)
