@@ -1,4 +1,5 @@
-"""Kill -9 a ppo run at random moments, rerun it, and get exactly what an uninterrupted run gets (CPU, tiny models).
+"""Kill -9 a ppo, sft or reward run at random moments, rerun it, and get exactly what an uninterrupted run gets:
+weights, rollout log, curves, metrics, and evaluate's metrics/eval.json (CPU, tiny models).
 
 Also: a changed param ignores the old run's checkpoint, a completed run leaves no checkpoint behind, and a NaN stop
 keeps the last good checkpoint and rollout files, from which ``ppo.nan_policy: skip`` resumes.
@@ -94,7 +95,9 @@ def test_killed_runs_resume_to_the_uninterrupted_result(resumable_project: Path,
     assert not (reference / CHECKPOINTS).exists(), "a completed run keeps no checkpoints"
 
     rng = random.Random()
-    left = [kill_after_progress(resumable_project, rng.uniform(0.0, 0.6)) for _ in range(3)]
+    # the first kill right after a checkpoint appears, so that one surely lands mid-run; two more at random moments
+    delays = (0.0, rng.uniform(0.0, 0.6), rng.uniform(0.0, 0.6))
+    left = [kill_after_progress(resumable_project, delay) for delay in delays]
     assert any(left), "no kill left a checkpoint to resume from"
     result = run(resumable_project)
     assert result.returncode == 0, result.stderr
@@ -108,6 +111,14 @@ def test_killed_runs_resume_to_the_uninterrupted_result(resumable_project: Path,
     for key in uninterrupted:
         assert resumed[key] == uninterrupted[key], key
     assert not (resumable_project / CHECKPOINTS).exists()
+
+    # and so evaluate reports the same metrics for both policies
+    for project in (resumable_project, reference):
+        shutil.copy(project / "data/prompts/train.parquet", project / "data/prompts/eval.parquet")
+        result = run(project, sys.executable, "-m", "stages.evaluate")
+        assert result.returncode == 0, result.stderr
+    assert (json.loads((resumable_project / "metrics/eval.json").read_text())
+            == json.loads((reference / "metrics/eval.json").read_text()))
 
 
 @pytest.mark.slow
