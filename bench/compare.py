@@ -115,12 +115,12 @@ def print_table(results: dict[str, dict], peak: float) -> dict[str, float]:
     ours = results.get("ours")
     ratios = {name: r["s_per_iter"] / ours["s_per_iter"] for name, r in results.items()} if ours else {}
     header = f"{'runner':<18}{'generate':>9}{'score':>7}{'forward':>8}{'update':>8}{'s/iter':>8}{'samples/s':>10}"
-    print(f"\n{header}{'update GFLOP/s':>15}{'% of peak':>10}{'s/iter / ours':>14}")
+    print(f"\n{header}{'update GFLOP/s':>15}{'% of peak':>10}{'s/iter / ours':>14}  precision")
     for name, r in results.items():
         ratio = f"{ratios[name]:.2f}x" if name in ratios else "-"
         print(f"{name:<18}{r['generate_s']:>9.2f}{r['score_s']:>7.2f}{r['forward_s']:>8.2f}{r['update_s']:>8.2f}"
               f"{r['s_per_iter']:>8.2f}{r['samples_per_s']:>10.2f}{r['update_gflops']:>15.1f}"
-              f"{r['update_gflops'] / peak:>10.0%}{ratio:>14}")
+              f"{r['update_gflops'] / peak:>10.0%}{ratio:>14}  {r.get('precision', '-')}")
     print(f"seconds are medians per iteration; peak = {peak:.0f} GFLOP/s matmul on this machine; update FLOPs = "
           "ppo_epochs x batch x 6 x (bodies x 12 L E^2 x padded length + E V x LM-head positions)")
     return ratios

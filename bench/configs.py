@@ -128,16 +128,24 @@ def pass_flops(cfg: BenchConfig, positions: float, head_positions: float, bodies
     return (6 if backward else 2) * cfg.batch_size * per_sample
 
 
-def matmul_peak_gflops() -> tuple[float, str]:
-    """Measured matmul throughput of this machine's device (best of 10) and its dtype: the yardstick for the update.
+def native_bf16() -> bool:
+    """Whether this device multiplies bf16 natively (CUDA, or a CPU with AMX / AVX-512 BF16): then every runner
+    trains under bf16 mixed precision (ours: ``model.precision: auto``; TRL: its accelerator's / Trainer's bf16),
+    so the comparison is like for like; elsewhere every runner is fp32."""
+    import torch
 
-    fp32 on CPU (where the runs are fp32; a 1024^2 product runs as fast per FLOP as a 2048^2 one on the 2-core CPU),
-    bf16 on CUDA (where ours and the peers run under bf16 autocast) with 8192^2 products, big enough to fill a GPU.
+    return torch.cuda.is_available() or torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+
+
+def matmul_peak_gflops(dtype_name: str) -> float:
+    """Measured matmul throughput of this machine's device in ``dtype_name`` (best of 10): the update's yardstick.
+
+    1024^2 products on CPU (as fast per FLOP as 2048^2 on the 2-core CPU), 8192^2 on CUDA, big enough to fill a GPU.
     """
     import torch
 
     cuda = torch.cuda.is_available()
-    n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    n, dtype = (8192 if cuda else 1024), getattr(torch, dtype_name)
     a, b = (torch.randn(n, n, device="cuda" if cuda else "cpu", dtype=dtype) for _ in range(2))
     times: dict[str, float] = {}
     best = float("inf")
@@ -146,7 +154,7 @@ def matmul_peak_gflops() -> tuple[float, str]:
         with timed(times, "matmul"):
             a @ b
         best = min(best, times["matmul"])
-    return 2 * n**3 / best / 1e9, str(dtype).removeprefix("torch.")
+    return 2 * n**3 / best / 1e9
 
 
 @contextlib.contextmanager
@@ -189,7 +197,10 @@ def summarize(runner: str, cfg: BenchConfig, batches: list[list[list[int]]], row
     s_per_iter = median("step")
     update_gflops = update_flops / median("update") / 1e9
     learn_gflops = (update_flops + forward_flops) / (median("update") + median("forward")) / 1e9
-    peak, peak_dtype = matmul_peak_gflops()
+    # the yardstick: the bf16 peak where runs are mixed precision (matmuls in bf16; ours keeps the LM head in fp32,
+    # so it cannot reach it), else the fp32 peak
+    peak_dtype = "bfloat16" if native_bf16() else "float32"
+    peak = matmul_peak_gflops(peak_dtype)
     result = {
         "runner": runner, "config": cfg.name, "device": "cuda" if torch.cuda.is_available() else "cpu",
         "torch_threads": torch.get_num_threads(), "iters": len(rows), "s_per_iter": round(s_per_iter, 3),
@@ -198,6 +209,7 @@ def summarize(runner: str, cfg: BenchConfig, batches: list[list[list[int]]], row
         "tokens_per_s": round(cfg.batch_size * cfg.new_tokens / s_per_iter, 1),
         "peak_mem_mb": round(peak_memory_mb(), 1), "update_gflop": round(update_flops / 1e9, 1),
         "update_gflops": round(update_gflops, 1), "peak_gflops": round(peak, 1), "peak_dtype": peak_dtype,
+        "precision": "bf16 mixed" if native_bf16() else "fp32",
         "update_share_of_peak": round(update_gflops / peak, 3), "forward_gflop": round(forward_flops / 1e9, 1),
         "learn_gflops": round(learn_gflops, 1),
         "prompts_sha1": hashlib.sha1(json.dumps(batches).encode()).hexdigest()[:12], "notes": notes,

@@ -30,7 +30,7 @@ from bench.configs import (
     summarize,
     timed,
 )
-from stages.core.modeling import load_tokenizer
+from stages.core.modeling import fast_activations, load_tokenizer
 from stages.core.params import ModelParams, PpoParams
 from stages.core.policy import PolicyWithValueHead, disable_dropout
 from stages.core.trainer import PPOTrainer
@@ -51,7 +51,7 @@ class StandInScorer:
 def build_trainer(cfg: BenchConfig, tokenizer, device: torch.device) -> PPOTrainer:
     torch.manual_seed(0)
     config = GPT2Config(**gpt2_config_kwargs(cfg, tokenizer.eos_token_id))
-    lm, ref = GPT2LMHeadModel(config), GPT2LMHeadModel(config)
+    lm, ref = fast_activations(GPT2LMHeadModel(config)), fast_activations(GPT2LMHeadModel(config))
     ref.load_state_dict(lm.state_dict())
     disable_dropout(lm)
     disable_dropout(ref)

@@ -119,27 +119,35 @@ def test_logprobs_from_logits(dtype: torch.dtype, chunk_elements) -> None:
             assert got[i, t].item() == pytest.approx(z[labels[i, t]] - logsumexp_loop(z), abs=1e-5)
 
 
-def test_logprobs_gradient_matches_log_softmax_gather(chunk_elements) -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_logprobs_gradient_matches_log_softmax_gather(dtype: torch.dtype, chunk_elements) -> None:
     g = torch.Generator().manual_seed(5)
-    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64, requires_grad=True)
+    logits = (torch.randn(B, T, V, generator=g, dtype=torch.float64) * 3).to(dtype).requires_grad_()
     labels = torch.randint(0, V, (B, T), generator=g)
     weights = torch.randn(B, T, generator=g, dtype=torch.float64)
-    (ppo.logprobs_from_logits(logits, labels) * weights).sum().backward()
+    logprobs, entropy = ppo.logprobs_and_entropy(logits, labels)
+    assert not entropy.requires_grad  # a diagnostic: no gradient flows through it
+    (logprobs * weights).sum().backward()
     ours, logits.grad = logits.grad, None
-    naive = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    assert ours.dtype == dtype
+    naive = torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     (naive * weights).sum().backward()
-    torch.testing.assert_close(ours, logits.grad)
+    tolerance = {} if dtype == torch.float64 else {"rtol": 1e-2, "atol": 1e-5}  # bf16 rounds the gradient itself
+    torch.testing.assert_close(ours.double(), logits.grad.double(), **tolerance)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
-def test_entropy_from_logits(dtype: torch.dtype, chunk_elements) -> None:
-    logits = (torch.randn(B, T, V, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
-    got = ppo.entropy_from_logits(logits)
+def test_entropy(dtype: torch.dtype, grad: bool, chunk_elements) -> None:
+    logits = (torch.randn(B, T, V, generator=torch.Generator().manual_seed(1)) * 2).to(dtype).requires_grad_(grad)
+    labels = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+    logprobs, got = ppo.logprobs_and_entropy(logits, labels)
     for i in range(B):
         for t in range(T):
             z = logits[i, t].double().tolist()
             p = [math.exp(v - logsumexp_loop(z)) for v in z]
             assert got[i, t].item() == pytest.approx(-sum(pv * math.log(pv) for pv in p), rel=1e-5)
+            assert logprobs[i, t].item() == pytest.approx(z[labels[i, t]] - logsumexp_loop(z), abs=1e-5)
 
 
 def random_policies(seed: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:

@@ -101,7 +101,8 @@ def test_a_huge_kl_coef_keeps_the_policy_at_the_reference(tiny_gpt2_dir: Path) -
 def test_first_minibatch_ratio_is_one(tiny_gpt2_dir: Path) -> None:
     trainer = make_trainer(tiny_gpt2_dir, ppo_epochs=1, mini_batch_size=16)
     exp = trainer.make_experience(*batch(trainer), step=0, timings={})
-    out = forward(trainer.policy, exp.samples, trainer.cfg.temperature)
+    with trainer.autocast():  # the rollout's precision (bf16 on CPUs with native bf16 matmuls)
+        out = forward(trainer.policy, exp.samples, trainer.cfg.temperature)
     ratio = torch.exp(out.logprobs - exp.logprobs)[exp.mask]
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
     stats = trainer.update(exp, step=0)

@@ -18,8 +18,9 @@ DataLoader and scoring with a reward *model*. What this script does to it, and n
 
 Training settings are TRL's defaults except the config's batch shape (per-device batch = batch_size, num_mini_batches
 = batch_size / mini_batch_size, local_rollout_forward_batch_size = batch_size), response_length = new_tokens, the
-learning rate, no stop token (every response is new_tokens long, as ours), bf16 on CUDA only (TRL's default would
-turn on emulated bf16 on a CPU without native support), and no sample generations or checkpoints.
+learning rate, no stop token (every response is new_tokens long, as ours), bf16 only where the device has it natively
+(``bench.configs.native_bf16``: TRL's default would also turn on emulated bf16 on a CPU without it), and no sample
+generations or checkpoints.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from bench.configs import (
     gpt2_config_kwargs,
     load_prompts,
     mean_padded_length,
+    native_bf16,
     pass_flops,
     set_threads,
     stand_in_score,
@@ -144,7 +146,6 @@ def main() -> None:
     set_threads(args.threads)
 
     cfg = CONFIGS[args.config]
-    cuda = torch.cuda.is_available()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, padding_side="left")
     tokenizer.pad_token = tokenizer.eos_token
     batches = load_prompts(args.data, tokenizer, cfg, args.iters)
@@ -157,7 +158,7 @@ def main() -> None:
     reward_model = StandInRewardModel(cfg.new_tokens)
     training_args = PPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl112-bench-"), report_to="none", save_strategy="no",
-        num_sample_generations=0, seed=0, bf16=cuda, learning_rate=cfg.learning_rate,
+        num_sample_generations=0, seed=0, bf16=native_bf16(), learning_rate=cfg.learning_rate,
         per_device_train_batch_size=cfg.batch_size, gradient_accumulation_steps=1,
         num_mini_batches=cfg.batch_size // cfg.mini_batch_size, num_ppo_epochs=cfg.ppo_epochs,
         local_rollout_forward_batch_size=cfg.batch_size, response_length=cfg.new_tokens, stop_token=None,

@@ -11,8 +11,9 @@ calls; forward = TRL's own ``time/ppo/forward_pass`` + ``compute_rewards`` + ``c
 
 Settings are TRL's PPOConfig defaults (Adam, adaptive KL, ...) except the config's batch shape, epochs and learning
 rate; sampling is the notebook's (top_k 0, top_p 1) with ``max_new_tokens`` = new_tokens and no EOS stop, as ours;
-dropout off in the model and value head, as ours. On CUDA: bf16 mixed precision through TRL's accelerator (ours
-uses bf16 autocast there) and TRL's phase clock reads after a CUDA synchronize (``SyncedClock``).
+dropout off in the model and value head, as ours. Where the device has native bf16 (CUDA, or a CPU with AMX / AVX-512
+BF16: ``bench.configs.native_bf16``), bf16 mixed precision through TRL's accelerator, as ours; on CUDA TRL's phase
+clock reads after a CUDA synchronize (``SyncedClock``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from bench.configs import (
     gpt2_config_kwargs,
     load_prompts,
     mean_padded_length,
+    native_bf16,
     pass_flops,
     set_threads,
     stand_in_score,
@@ -72,7 +74,8 @@ def main() -> None:
     ref = GPT2LMHeadModel(lm.config)
     ref.load_state_dict(lm.state_dict())
     config = PPOConfig(learning_rate=cfg.learning_rate, batch_size=cfg.batch_size, mini_batch_size=cfg.mini_batch_size,
-                       ppo_epochs=cfg.ppo_epochs, accelerator_kwargs={"mixed_precision": "bf16"} if cuda else {})
+                       ppo_epochs=cfg.ppo_epochs,
+                       accelerator_kwargs={"mixed_precision": "bf16"} if native_bf16() else {})
     model, ref_model = (AutoModelForCausalLMWithValueHead.from_pretrained(m, summary_dropout_prob=0.0)
                         for m in (lm, ref))
     ppo_trainer = PPOTrainer(config, model, ref_model, tokenizer)

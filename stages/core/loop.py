@@ -230,7 +230,8 @@ def train(params: Params, scorer: Scorer | None = None) -> dict[str, float]:
     scorer = scorer or make_reward_scorer(params, device)
     trainer = PPOTrainer(policy, ref, tokenizer, scorer, cfg, device,
                          accelerator if accelerator.num_processes > 1 else None,
-                         length_generator=torch.Generator().manual_seed(params.seed + accelerator.process_index))
+                         length_generator=torch.Generator().manual_seed(params.seed + accelerator.process_index),
+                         precision=params.model.precision)
     data = PromptBatches(prompts, cfg.batch_size, accelerator.process_index, accelerator.num_processes,
                          torch.Generator().manual_seed(params.seed))
     main = accelerator.is_main_process

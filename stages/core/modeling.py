@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -18,6 +19,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.activations import NewGELUActivation
 
 from stages.core.errors import ModelError
 from stages.core.params import ModelParams, Params
@@ -88,15 +90,26 @@ def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
     return tokenizer
 
 
+def fast_activations(model: nn.Module) -> nn.Module:
+    """Swap transformers' Python tanh-GELU (``gelu_new``: GPT-2's, five elementwise kernels and four temporaries)
+    for torch's fused kernel of the same formula; the outputs agree to float rounding. Returns ``model``."""
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, NewGELUActivation):
+                setattr(module, name, nn.GELU(approximate="tanh"))
+    return model
+
+
 def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, **kwargs: Any) -> PreTrainedModel:
     check_local_dir(name, what)
     check_weights_format(name, what, model.allow_pickle)
     try:
-        return auto_cls.from_pretrained(
+        loaded = auto_cls.from_pretrained(
             name, use_safetensors=None if model.allow_pickle else True, **_load_kwargs(name, model), **kwargs
         )
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{what}: cannot load a model from {name!r}: {str(e).splitlines()[0]}") from None
+    return fast_activations(loaded)
 
 
 def load_causal_lm(name: str, model: ModelParams, what: str = "model.policy",

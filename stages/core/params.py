@@ -41,6 +41,9 @@ class ModelParams:
     """Run model code shipped inside a Hub repo. Off: only the architectures built into transformers load."""
     allow_pickle: bool = False
     """Accept pickled (.bin) checkpoints, loaded with weights_only=True. Off: safetensors only."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Training matmuls in bf16 (autocast; LM head, losses and optimizer stay fp32) or fp32. auto: bf16 on CUDA and
+    on CPUs with native bf16 matmuls (AMX / AVX-512 BF16), fp32 elsewhere."""
 
 
 @dataclass(frozen=True)

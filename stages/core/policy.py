@@ -10,6 +10,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from stages.core.training import full_precision
+
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
@@ -39,10 +41,12 @@ class PolicyWithValueHead(nn.Module):
     def forward(self, query_responses: torch.Tensor, attention_mask: torch.Tensor,
                 context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = backbone_hidden(self.lm.base_model, query_responses, attention_mask, context_length)
-        logits = self.lm.get_output_embeddings()(hidden)
+        logits = lm_head(self.lm, hidden)
         if self.critic is not None:
             hidden = backbone_hidden(self.critic, query_responses, attention_mask, context_length)
-        return logits, self.v_head(hidden).squeeze(-1)
+        with full_precision(hidden.device):
+            values = self.v_head(hidden.float()).squeeze(-1)
+        return logits, values
 
     def save_value_head(self, folder: Path) -> None:
         state = {f"v_head.{k}": v for k, v in self.v_head.state_dict().items()}
@@ -71,8 +75,19 @@ def backbone_hidden(backbone: nn.Module, query_responses: torch.Tensor, attentio
     return out.last_hidden_state[:, context_length - 1: -1]
 
 
+def lm_head(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, R, H) -> (B, R, V) fp32 logits, even under bf16 autocast.
+
+    bf16 keeps 8 bits of mantissa: between 64 and 128 its steps are 0.5 apart, so rounding GPT-2's large logits
+    would move every log-prob by up to 0.25 nats, no small thing next to a PPO clip range of 0.2. The body may run
+    in bf16: the head's dot products average its rounding out, and what they share across tokens cancels in the
+    log-softmax.
+    """
+    with full_precision(hidden.device):
+        return lm.get_output_embeddings()(hidden.float())
+
+
 def response_logits(lm: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor,
                     context_length: int) -> torch.Tensor:
     """(B, R, V) logits of a plain LM (the frozen reference) at the response positions."""
-    hidden = backbone_hidden(lm.base_model, query_responses, attention_mask, context_length)
-    return lm.get_output_embeddings()(hidden)
+    return lm_head(lm, backbone_hidden(lm.base_model, query_responses, attention_mask, context_length))

@@ -18,7 +18,7 @@ from transformers import AutoModelForSequenceClassification, GPT2Config, PreTrai
 
 from stages.core import checkpoint
 from stages.core.errors import DataError, TrainingError
-from stages.core.modeling import SFT_DIR, load_sequence_classifier, load_tokenizer
+from stages.core.modeling import SFT_DIR, fast_activations, load_sequence_classifier, load_tokenizer
 from stages.core.params import Params
 from stages.core.training import autocast, warmup_cosine
 
@@ -44,7 +44,7 @@ def build(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         config = GPT2Config(vocab_size=len(tokenizer), n_positions=s.n_positions, n_embd=s.n_embd,
                             n_layer=s.n_layer, n_head=s.n_head, num_labels=1,
                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        model = AutoModelForSequenceClassification.from_config(config)
+        model = fast_activations(AutoModelForSequenceClassification.from_config(config))
     else:
         model = load_sequence_classifier(path, params.model, what=what, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -65,10 +65,11 @@ def read_pairs(path: str) -> pd.DataFrame:
 
 
 def scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int,
-           device: torch.device) -> torch.Tensor:
-    """(N,) reward of each text (one forward; grad flows when enabled by the caller)."""
+           device: torch.device, precision: str = "fp32") -> torch.Tensor:
+    """(N,) reward of each text (one forward; grad flows when enabled by the caller); ``precision`` as
+    ``model.precision`` (training passes it; held-out scores are fp32)."""
     batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
-    with autocast(device):
+    with autocast(device, precision):
         return model(**batch).logits[:, 0].float()
 
 
@@ -137,7 +138,7 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: pd.
                 continue
             idx = order[i: i + r.batch_size].numpy()
             texts = pairs["chosen"].iloc[idx].tolist() + pairs["rejected"].iloc[idx].tolist()
-            both = scores(model, tokenizer, texts, r.max_length, device)
+            both = scores(model, tokenizer, texts, r.max_length, device, params.model.precision)
             margin = (torch.tensor(rating_gap.iloc[idx].to_numpy(), dtype=torch.float32, device=device)
                       * MARGIN_PER_STAR if r.margin else None)
             loss = bradley_terry_loss(both[: len(idx)], both[len(idx):], margin, r.center_coef)

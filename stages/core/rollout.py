@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from stages.core.policy import PolicyWithValueHead, response_logits
-from stages.core.ppo import entropy_from_logits, logprobs_from_logits
+from stages.core.policy import PolicyWithValueHead, lm_head, position_ids_from, response_logits
+from stages.core.ppo import logprobs_and_entropy
 
 
 @dataclass
@@ -52,25 +52,62 @@ def left_pad(query_ids: list[list[int]], pad_id: int, device: torch.device) -> t
     return ids.to(device), mask.to(device)
 
 
+def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """(B, V) next-token logits -> the logits sampling draws from: divided by the temperature, then only the
+    ``top_k`` largest and the smallest set of tokens holding ``top_p`` of the probability kept (the rest -inf), as
+    Hugging Face's temperature, top-k and top-p warpers do, in that order."""
+    if sampling.temperature != 1.0:
+        logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1)  # ascending
+        outside = sorted_logits.softmax(-1).cumsum(-1) <= 1 - sampling.top_p
+        outside[:, -1] = False  # the most likely token always stays
+        logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """(B, V) next-token logits -> (B,) sampled token ids; top_k 1 is greedy decoding.
+
+    Inverse-CDF sampling: one uniform draw per row where ``torch.multinomial`` draws one exponential per vocabulary
+    entry (50k per row, most of the sampling time on a CPU).
+    """
+    if sampling.top_k == 1:
+        return logits.argmax(-1)
+    cdf = filter_logits(logits.float(), sampling).softmax(-1).cumsum(-1)  # (B, V)
+    u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]
+    # right=True: the first token whose cdf exceeds u, so a zero-probability token (a flat step) is never drawn
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+
+
 @torch.no_grad()
 def generate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids: list[list[int]],
              lengths: list[int], sampling: SamplingParams) -> Samples:
-    """Sample all responses in one batched ``generate`` (KV cache), up to the longest length, then cut each row.
+    """Sample all responses in one batched decoding loop (KV cache), up to the longest length, then cut each row.
 
     A row that samples EOS stops there: the EOS token stays in the response (its choice is part of the action) and
-    what follows is masked.
+    what follows is masked. The LM head runs in fp32 on the last position only, as in the training forward.
     """
     was_training = lm.training
     lm.eval()
     queries, query_mask = left_pad(query_ids, tokenizer.pad_token_id, lm.device)
-    P, R = queries.shape[1], max(lengths)
-    out = lm.generate(
-        input_ids=queries, attention_mask=query_mask, max_new_tokens=R, do_sample=True,
-        top_k=sampling.top_k, top_p=sampling.top_p, temperature=sampling.temperature,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=None,
-    )
+    (B, P), R = queries.shape, max(lengths)
+    responses = torch.empty((B, R), dtype=torch.long, device=lm.device)
+    attention_mask, positions = query_mask, position_ids_from(query_mask)
+    out = lm.base_model(input_ids=queries, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+    for t in range(R):
+        responses[:, t] = sample_tokens(lm_head(lm, out.last_hidden_state[:, -1]), sampling)
+        if t == R - 1:
+            break
+        # every sampled token is attended while decoding; the cut at each row's length and EOS comes after
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
+        positions = positions[:, -1:] + 1
+        out = lm.base_model(input_ids=responses[:, t: t + 1], attention_mask=attention_mask, position_ids=positions,
+                            past_key_values=out.past_key_values, use_cache=True)
     lm.train(was_training)
-    responses = out[:, P:]
     length_mask = torch.arange(R, device=lm.device) < torch.tensor(lengths, device=lm.device)[:, None]
     is_eos = (responses == tokenizer.eos_token_id) & length_mask
     after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
@@ -106,9 +143,7 @@ def forward(model: PolicyWithValueHead | PreTrainedModel, samples: Samples, temp
         logits, values = response_logits(model, *args), None
     else:
         logits, values = model(*args)
-    logits = logits / temperature
-    logprobs = logprobs_from_logits(logits, samples.responses)
-    with torch.no_grad():
-        entropy = entropy_from_logits(logits)
-    values = values.float() if values is not None else None  # GAE and the value loss want fp32 under autocast
+    if temperature != 1.0:  # a (B, R, V) copy otherwise
+        logits = logits / temperature
+    logprobs, entropy = logprobs_and_entropy(logits, samples.responses)
     return ForwardOutput(logprobs, values, entropy, logits if keep_logits else None)

@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTraine
 
 from stages.core import checkpoint
 from stages.core.errors import DataError, ModelError, TrainingError
-from stages.core.modeling import context_size, load_causal_lm
+from stages.core.modeling import context_size, fast_activations, load_causal_lm
 from stages.core.params import Params
 from stages.core.training import autocast, warmup_cosine
 
@@ -33,7 +33,7 @@ def build_model(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTraine
         resid_pdrop=s.dropout, embd_pdrop=s.dropout, attn_pdrop=s.dropout,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
-    return GPT2LMHeadModel(config)
+    return fast_activations(GPT2LMHeadModel(config))
 
 
 def pack(texts: pd.Series, tokenizer: PreTrainedTokenizerBase, block_size: int, max_tokens: int | None,
@@ -65,8 +65,7 @@ def perplexity(lm: PreTrainedModel, blocks: torch.Tensor, batch_size: int, devic
     total, count = 0.0, 0
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i: i + batch_size].to(device)
-        with autocast(device):
-            loss = lm(input_ids=batch, labels=batch).loss.float()
+        loss = lm(input_ids=batch, labels=batch).loss  # fp32: a metric, not worth bf16's rounding
         n = batch.numel() - len(batch)  # the first token of each block is never predicted
         total, count = total + loss.item() * n, count + n
     return math.exp(total / count)
@@ -119,7 +118,7 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
         for _ in range(s.gradient_accumulation_steps):
             idx = torch.randint(len(blocks), (s.batch_size,), generator=generator)
             batch = blocks[idx].to(device)
-            with autocast(device):
+            with autocast(device, params.model.precision):
                 loss = lm(input_ids=batch, labels=batch).loss
             if not torch.isfinite(loss):
                 raise TrainingError(f"step {step}: sft loss is NaN/inf (lower sft.learning_rate)")

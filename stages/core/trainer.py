@@ -6,7 +6,7 @@ process samples its own batch, gradients are averaged, the KL controller sees th
 
 from __future__ import annotations
 
-import math
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -61,12 +61,14 @@ class PPOTrainer:
     device: torch.device
     accelerator: object | None = None  # accelerate.Accelerator
     length_generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
+    precision: str = "auto"  # model.precision
     skipped_batches: int = 0
 
     def __post_init__(self) -> None:
         cfg = self.cfg
         self.model = self.policy  # what the optimizer steps through; DDP-wrapped under accelerate
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.learning_rate)
+        # fused: one kernel over all parameters instead of a dozen passes (bench-cpu: 20 ms a step, ~10x fewer)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.learning_rate, fused=True)
         if self.accelerator is not None:
             self.model, self.optimizer = self.accelerator.prepare(self.policy, self.optimizer)
         self.kl_ctl = (ppo.AdaptiveKLController(cfg.init_kl_coef, cfg.target, cfg.horizon) if cfg.adap_kl_ctrl
@@ -109,7 +111,7 @@ class PPOTrainer:
         with self.timer(timings, "generate"):
             lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
                                        self.length_generator)
-            with autocast(self.device):
+            with self.autocast():
                 samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
             responses_text = decode_responses(self.tokenizer, samples)
         with self.timer(timings, "score"):
@@ -122,7 +124,7 @@ class PPOTrainer:
         with self.timer(timings, "forward"), torch.no_grad():
             full = cfg.kl_penalty == "full"
             self.policy.eval()
-            with autocast(self.device):
+            with self.autocast():
                 out = forward(self.policy, samples, cfg.temperature, keep_logits=full)
                 ref = forward(self.ref_policy, samples, cfg.temperature, keep_logits=full)
             mask = samples.response_mask
@@ -161,7 +163,7 @@ class PPOTrainer:
         s = exp.samples
         mb_samples = Samples(s.query_responses[mb], s.attention_mask[mb], s.context_length, s.response_mask[mb],
                              s.has_eos[mb])
-        with autocast(self.device):
+        with self.autocast():
             out = forward(self.model, mb_samples, self.cfg.temperature)
         loss, stats = ppo.ppo_loss(out.logprobs, out.values, exp.logprobs[mb], exp.values[mb], exp.advantages[mb],
                                    exp.returns[mb], mb_samples.response_mask, self.cfg.cliprange,
@@ -170,12 +172,13 @@ class PPOTrainer:
         return loss, stats
 
     def optimizer_step(self, step: int) -> float:
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         params = self.model.parameters()
-        if self.accelerator is not None:
-            norm = self.accelerator.clip_grad_norm_(params, max_norm)
+        if self.cfg.max_grad_norm is None:  # the norm is still logged, but clipping by inf would rescale every grad
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        elif self.accelerator is not None:
+            norm = self.accelerator.clip_grad_norm_(params, self.cfg.max_grad_norm)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
         if not self.finite(norm, step, "policy/grad_norm", "a gradient is NaN/inf"):
             self.optimizer.zero_grad(set_to_none=True)
             return float("nan")
@@ -200,6 +203,9 @@ class PPOTrainer:
             raise TrainingError(f"step {step}: {quantity}: {what} ({bad} of {x.numel()} values); set "
                                 "ppo.nan_policy: skip to skip such batches")
         return False
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.device, self.precision)
 
     def mean_over_processes(self, x: torch.Tensor) -> float:
         if self.accelerator is not None:

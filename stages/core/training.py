@@ -17,11 +17,32 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; fp32 on CPU, where bf16 matmuls are emulated on CPUs without AVX-512 BF16."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def cpu_has_bf16() -> bool:
+    """AMX or AVX-512 BF16: bf16 matmuls run several times faster than fp32 (elsewhere they are emulated, slower)."""
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+
+
+def mixed_precision(device: torch.device, precision: str = "auto") -> torch.dtype | None:
+    """The autocast dtype for ``model.precision``: bf16, or None for plain fp32.
+
+    ``auto`` is bf16 on CUDA and on CPUs with native bf16 matmuls, fp32 elsewhere.
+    """
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else None
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def autocast(device: torch.device, precision: str = "auto") -> contextlib.AbstractContextManager:
+    """bf16 autocast where ``mixed_precision`` says so, else a no-op (fp32)."""
+    dtype = mixed_precision(device, precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """Leave autocast inside a mixed-precision block, for the numerically sensitive tail of a model."""
+    return torch.autocast(device.type, enabled=False)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
