@@ -1,6 +1,6 @@
 """Our PPO step side by side with TRL's on the identical config, prompts, stand-in scorer and machine.
 
-``python -m bench.compare --config bench-cpu [--iters 5] [--peers trl011-per-query,trl011-batched,trl112]``
+``python -m bench.compare --config bench-cpu [--iters 5] [--precision auto|fp32] [--peers trl011-per-query,...]``
 
 Each peer runs in its own virtual environment under ``bench/.venvs/`` (created on first use, reused after; TRL is
 never a dependency of the product). Ours and each peer run in turn as subprocesses of this one invocation; each prints
@@ -147,7 +147,8 @@ def main() -> None:
 
     tokenizer = str(Path(args.tokenizer).resolve()) if Path(args.tokenizer).exists() else args.tokenizer
     common = ["--config", args.config, "--data", str(args.data.resolve()), "--tokenizer", tokenizer,
-              "--iters", str(args.iters)] + (["--threads", str(args.threads)] if args.threads else [])
+              "--iters", str(args.iters), "--precision", args.precision] + (["--threads", str(args.threads)]
+                                                                            if args.threads else [])
     commands = {"ours": [sys.executable, "-m", "bench.ppo_step"]}
     commands |= {p: [str(pythons[PEERS[p].venv]), "-m", PEERS[p].module, *PEERS[p].args] for p in peers}
     results = {}

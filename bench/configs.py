@@ -64,6 +64,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default="../shared/gpt2-tokenizer", help="GPT-2 tokenizer folder")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations, after one warm-up iteration")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own, one per core)")
+    parser.add_argument("--precision", choices=["auto", "fp32"], default="auto",
+                        help="auto: bf16 mixed precision for every runner where the device has native bf16; "
+                             "fp32: none")
 
 
 def set_threads(threads: int | None) -> None:
@@ -128,13 +131,14 @@ def pass_flops(cfg: BenchConfig, positions: float, head_positions: float, bodies
     return (6 if backward else 2) * cfg.batch_size * per_sample
 
 
-def native_bf16() -> bool:
-    """Whether this device multiplies bf16 natively (CUDA, or a CPU with AMX / AVX-512 BF16): then every runner
-    trains under bf16 mixed precision (ours: ``model.precision: auto``; TRL: its accelerator's / Trainer's bf16),
-    so the comparison is like for like; elsewhere every runner is fp32."""
+def use_bf16(precision: str) -> bool:
+    """``--precision auto``: bf16 mixed precision where the device multiplies bf16 natively (CUDA, or a CPU with AMX
+    / AVX-512 BF16), for every runner alike (ours: ``model.precision``; TRL: its accelerator's / Trainer's bf16), so
+    the comparison is like for like; ``fp32``: every runner in fp32."""
     import torch
 
-    return torch.cuda.is_available() or torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    native = torch.cuda.is_available() or torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    return precision == "auto" and native
 
 
 def matmul_peak_gflops(dtype_name: str) -> float:
@@ -183,12 +187,13 @@ def peak_memory_mb() -> float:
 
 
 def summarize(runner: str, cfg: BenchConfig, batches: list[list[list[int]]], rows: list[dict[str, float]],
-              update_flops: float, forward_flops: float, notes: str = "") -> dict:
+              update_flops: float, forward_flops: float, bf16: bool, notes: str = "") -> dict:
     """Print the per-phase table of the timed ``rows`` (seconds per phase and ``step`` = wall time of the whole
     iteration) and return the result every benchmark script prints as its last line.
 
-    ``update_flops`` / ``forward_flops``: analytic FLOPs (``pass_flops``) of the update (ppo_epochs of forward +
-    backward) and of the forward phase's no-grad passes; ``learn_gflops`` is both over both phases' time."""
+    ``bf16``: the runner trained under bf16 mixed precision. ``update_flops`` / ``forward_flops``: analytic FLOPs
+    (``pass_flops``) of the update (ppo_epochs of forward + backward) and of the forward phase's no-grad passes;
+    ``learn_gflops`` is both over both phases' time."""
     import torch
 
     def median(key: str) -> float:
@@ -199,7 +204,7 @@ def summarize(runner: str, cfg: BenchConfig, batches: list[list[list[int]]], row
     learn_gflops = (update_flops + forward_flops) / (median("update") + median("forward")) / 1e9
     # the yardstick: the bf16 peak where runs are mixed precision (matmuls in bf16; ours keeps the LM head in fp32,
     # so it cannot reach it), else the fp32 peak
-    peak_dtype = "bfloat16" if native_bf16() else "float32"
+    peak_dtype = "bfloat16" if bf16 else "float32"
     peak = matmul_peak_gflops(peak_dtype)
     result = {
         "runner": runner, "config": cfg.name, "device": "cuda" if torch.cuda.is_available() else "cpu",
@@ -209,7 +214,7 @@ def summarize(runner: str, cfg: BenchConfig, batches: list[list[list[int]]], row
         "tokens_per_s": round(cfg.batch_size * cfg.new_tokens / s_per_iter, 1),
         "peak_mem_mb": round(peak_memory_mb(), 1), "update_gflop": round(update_flops / 1e9, 1),
         "update_gflops": round(update_gflops, 1), "peak_gflops": round(peak, 1), "peak_dtype": peak_dtype,
-        "precision": "bf16 mixed" if native_bf16() else "fp32",
+        "precision": "bf16 mixed" if bf16 else "fp32",
         "update_share_of_peak": round(update_gflops / peak, 3), "forward_gflop": round(forward_flops / 1e9, 1),
         "learn_gflops": round(learn_gflops, 1),
         "prompts_sha1": hashlib.sha1(json.dumps(batches).encode()).hexdigest()[:12], "notes": notes,

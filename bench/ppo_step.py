@@ -29,6 +29,7 @@ from bench.configs import (
     stand_in_score,
     summarize,
     timed,
+    use_bf16,
 )
 from stages.core.modeling import fast_activations, load_tokenizer
 from stages.core.params import ModelParams, PpoParams
@@ -48,7 +49,7 @@ class StandInScorer:
         return torch.tensor([stand_in_score(r) for r in ids], dtype=torch.float32)
 
 
-def build_trainer(cfg: BenchConfig, tokenizer, device: torch.device) -> PPOTrainer:
+def build_trainer(cfg: BenchConfig, tokenizer, device: torch.device, bf16: bool) -> PPOTrainer:
     torch.manual_seed(0)
     config = GPT2Config(**gpt2_config_kwargs(cfg, tokenizer.eos_token_id))
     lm, ref = fast_activations(GPT2LMHeadModel(config)), fast_activations(GPT2LMHeadModel(config))
@@ -59,7 +60,7 @@ def build_trainer(cfg: BenchConfig, tokenizer, device: torch.device) -> PPOTrain
                               ppo_epochs=cfg.ppo_epochs, learning_rate=cfg.learning_rate,
                               response_min_tokens=cfg.new_tokens, response_max_tokens=cfg.new_tokens)
     return PPOTrainer(PolicyWithValueHead(lm).to(device), ref.to(device), tokenizer, StandInScorer(tokenizer), ppo,
-                      device)
+                      device, precision="bf16" if bf16 else "fp32")
 
 
 def main() -> None:
@@ -72,7 +73,8 @@ def main() -> None:
     device = pick_device()
     tokenizer = load_tokenizer(args.tokenizer, ModelParams(), what="--tokenizer")
     batches = load_prompts(args.data, tokenizer, cfg, args.iters)
-    trainer = build_trainer(cfg, tokenizer, device)
+    bf16 = use_bf16(args.precision)
+    trainer = build_trainer(cfg, tokenizer, device, bf16)
 
     rows = []
     for i, batch in enumerate(batches):
@@ -88,7 +90,7 @@ def main() -> None:
     positions = mean_padded_length(cfg, batches[1:])
     update = cfg.ppo_epochs * pass_flops(cfg, positions, cfg.new_tokens, backward=True)
     forward = pass_flops(cfg, positions, cfg.new_tokens, bodies=2, heads=2)  # policy + reference
-    result = summarize("ours", cfg, batches, rows, update, forward,
+    result = summarize("ours", cfg, batches, rows, update, forward, bf16,
                        notes="shared value head; LM head on response positions only")
     print(json.dumps(result))
 

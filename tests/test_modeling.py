@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from stages.core.errors import ModelError
-from stages.core.modeling import check_vocab_match, load_causal_lm, load_sequence_classifier, load_tokenizer
+from stages.core.modeling import (
+    FAST_GELU,
+    check_vocab_match,
+    fast_activations,
+    load_causal_lm,
+    load_sequence_classifier,
+    load_tokenizer,
+)
 from stages.core.params import ModelParams
 
 SAFE = ModelParams()
@@ -79,3 +88,15 @@ def test_tokenizer_larger_than_the_embedding_is_refused(tokenizer_dir: Path) -> 
     with pytest.raises(ModelError, match=r"^model.tokenizer: the tokenizer has 400 tokens but the model's "
                                          r"embedding has only 50 rows"):
         check_vocab_match(tokenizer, lm, "model.tokenizer")
+
+
+def test_fast_activations_keep_the_outputs_and_say_so_in_the_config(tiny_gpt2_dir: Path, tmp_path: Path) -> None:
+    original = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir).eval()
+    assert original.config.activation_function == "gelu_new"
+    fast = fast_activations(copy.deepcopy(original))
+    assert fast.config.activation_function == FAST_GELU
+    ids = torch.arange(12).view(2, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
+        fast.save_pretrained(tmp_path)
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, fast(ids).logits)

@@ -19,7 +19,7 @@ DataLoader and scoring with a reward *model*. What this script does to it, and n
 Training settings are TRL's defaults except the config's batch shape (per-device batch = batch_size, num_mini_batches
 = batch_size / mini_batch_size, local_rollout_forward_batch_size = batch_size), response_length = new_tokens, the
 learning rate, no stop token (every response is new_tokens long, as ours), bf16 only where the device has it natively
-(``bench.configs.native_bf16``: TRL's default would also turn on emulated bf16 on a CPU without it), and no sample
+(``bench.configs.use_bf16``: TRL's default would also turn on emulated bf16 on a CPU without it), and no sample
 generations or checkpoints.
 """
 
@@ -44,12 +44,12 @@ from bench.configs import (
     gpt2_config_kwargs,
     load_prompts,
     mean_padded_length,
-    native_bf16,
     pass_flops,
     set_threads,
     stand_in_score,
     summarize,
     timed,
+    use_bf16,
 )
 
 
@@ -146,6 +146,7 @@ def main() -> None:
     set_threads(args.threads)
 
     cfg = CONFIGS[args.config]
+    bf16 = use_bf16(args.precision)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, padding_side="left")
     tokenizer.pad_token = tokenizer.eos_token
     batches = load_prompts(args.data, tokenizer, cfg, args.iters)
@@ -158,7 +159,8 @@ def main() -> None:
     reward_model = StandInRewardModel(cfg.new_tokens)
     training_args = PPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl112-bench-"), report_to="none", save_strategy="no",
-        num_sample_generations=0, seed=0, bf16=native_bf16(), learning_rate=cfg.learning_rate,
+        num_sample_generations=0, seed=0, bf16=bf16, use_cpu=not torch.cuda.is_available(),
+        learning_rate=cfg.learning_rate,
         per_device_train_batch_size=cfg.batch_size, gradient_accumulation_steps=1,
         num_mini_batches=cfg.batch_size // cfg.mini_batch_size, num_ppo_epochs=cfg.ppo_epochs,
         local_rollout_forward_batch_size=cfg.batch_size, response_length=cfg.new_tokens, stop_token=None,
@@ -177,7 +179,7 @@ def main() -> None:
     positions = mean_padded_length(cfg, batches[1:])
     update = cfg.ppo_epochs * pass_flops(cfg, positions, positions, bodies=2, backward=True)
     forward = pass_flops(cfg, positions, positions, bodies=2, heads=1)
-    result = summarize("trl112", cfg, batches, clock.rows[1:], update, forward,
+    result = summarize("trl112", cfg, batches, clock.rows[1:], update, forward, bf16,
                        notes="TRL 1.12.0 trl.experimental.ppo.PPOTrainer.train; separate value model; "
                              "LM head on every position")
     print(json.dumps(result))

@@ -12,7 +12,7 @@ calls; forward = TRL's own ``time/ppo/forward_pass`` + ``compute_rewards`` + ``c
 Settings are TRL's PPOConfig defaults (Adam, adaptive KL, ...) except the config's batch shape, epochs and learning
 rate; sampling is the notebook's (top_k 0, top_p 1) with ``max_new_tokens`` = new_tokens and no EOS stop, as ours;
 dropout off in the model and value head, as ours. Where the device has native bf16 (CUDA, or a CPU with AMX / AVX-512
-BF16: ``bench.configs.native_bf16``), bf16 mixed precision through TRL's accelerator, as ours; on CUDA TRL's phase
+BF16: ``bench.configs.use_bf16``), bf16 mixed precision through TRL's accelerator, as ours; on CUDA TRL's phase
 clock reads after a CUDA synchronize (``SyncedClock``).
 """
 
@@ -34,12 +34,12 @@ from bench.configs import (
     gpt2_config_kwargs,
     load_prompts,
     mean_padded_length,
-    native_bf16,
     pass_flops,
     set_threads,
     stand_in_score,
     summarize,
     timed,
+    use_bf16,
 )
 
 
@@ -62,6 +62,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # "PPOTrainer is deprecated": we know
 
     cfg = CONFIGS[args.config]
+    bf16 = use_bf16(args.precision)
     cuda = torch.cuda.is_available()
     if cuda:
         trl.trainer.ppo_trainer.time = SyncedClock
@@ -75,7 +76,7 @@ def main() -> None:
     ref.load_state_dict(lm.state_dict())
     config = PPOConfig(learning_rate=cfg.learning_rate, batch_size=cfg.batch_size, mini_batch_size=cfg.mini_batch_size,
                        ppo_epochs=cfg.ppo_epochs,
-                       accelerator_kwargs={"mixed_precision": "bf16"} if native_bf16() else {})
+                       accelerator_kwargs={"mixed_precision": "bf16"} if bf16 else {})
     model, ref_model = (AutoModelForCausalLMWithValueHead.from_pretrained(m, summary_dropout_prob=0.0)
                         for m in (lm, ref))
     ppo_trainer = PPOTrainer(config, model, ref_model, tokenizer)
@@ -111,7 +112,7 @@ def main() -> None:
     positions = mean_padded_length(cfg, batches[1:])
     update = cfg.ppo_epochs * pass_flops(cfg, positions, positions, backward=True)
     forward = pass_flops(cfg, positions, positions, bodies=2, heads=2)  # policy + reference
-    result = summarize(f"trl011-{args.generate}", cfg, batches, rows, update, forward,
+    result = summarize(f"trl011-{args.generate}", cfg, batches, rows, update, forward, bf16,
                        notes="TRL 0.11.4 PPOTrainer.step; value head on the policy; LM head on every position")
     print(json.dumps(result))
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -19,7 +18,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.activations import NewGELUActivation
+from transformers.activations import ACT2FN, NewGELUActivation
 
 from stages.core.errors import ModelError
 from stages.core.params import ModelParams, Params
@@ -28,6 +27,7 @@ log = logging.getLogger(__name__)
 
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+FAST_GELU = "gelu_pytorch_tanh"
 
 
 def _is_local(name: str) -> bool:
@@ -90,13 +90,17 @@ def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
     return tokenizer
 
 
-def fast_activations(model: nn.Module) -> nn.Module:
+def fast_activations(model: PreTrainedModel) -> PreTrainedModel:
     """Swap transformers' Python tanh-GELU (``gelu_new``: GPT-2's, five elementwise kernels and four temporaries)
-    for torch's fused kernel of the same formula; the outputs agree to float rounding. Returns ``model``."""
+    for torch's fused kernel of the same formula (``gelu_pytorch_tanh``); the outputs agree to float rounding. The
+    config says so too, so a saved model reloads with the very kernel it was trained with. Returns ``model``."""
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, NewGELUActivation):
-                setattr(module, name, nn.GELU(approximate="tanh"))
+                setattr(module, name, ACT2FN[FAST_GELU])
+    for key in ("activation_function", "hidden_act"):
+        if getattr(model.config, key, None) == "gelu_new":
+            setattr(model.config, key, FAST_GELU)
     return model
 
 
