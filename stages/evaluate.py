@@ -21,7 +21,7 @@ import torch
 from stages.core.errors import ModelError, run_stage
 from stages.core.evaluation import REWARD, evaluate_policy, judge_names, markdown_report, score_histogram
 from stages.core.io import remove_outputs, seed_everything, write_json, write_parquet, write_text
-from stages.core.loop import read_prompts
+from stages.core.loop import check_prompts, read_prompts
 from stages.core.modeling import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
 from stages.core.params import Params, load_params
 from stages.core.scorers import make_reward_scorer, make_scorer, reward_model_path
@@ -68,6 +68,7 @@ def main() -> None:
     policy = load_causal_lm(POLICY_DIR, params.model, what=POLICY_DIR).to(device).eval()
     check_vocab_match(tokenizer, reference, what)
     check_vocab_match(tokenizer, policy, POLICY_DIR)
+    check_prompts(PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens)
     remove_outputs(METRICS, SAMPLES.parent, REPORT.parent)
 
     metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts.queries, prompts.input_ids,

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -188,3 +190,28 @@ def set_params(project: Path, **updates: object) -> None:
             node = node[key]
         node[last] = value
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+# --- a project ready for the ppo stage (tiny policy, tiny classifier as reward, 12 prompts) --------------------------
+
+TINY = {"ppo.steps": 3, "ppo.batch_size": 4, "ppo.mini_batch_size": 2, "ppo.checkpoint_every": 2,
+        "ppo.response_min_tokens": 3, "ppo.response_max_tokens": 6}
+
+
+def write_prompts(project: Path, tokenizer_dir: Path, n: int = 12) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    queries = [["The movie was", "I think this", "A film about", "The actor"][i % 4] for i in range(n)]
+    ids = [tokenizer(q).input_ids for q in queries]
+    (project / "data/prompts").mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"query": queries, "input_ids": pa.array(ids, pa.list_(pa.int32())),
+                             "review_id": [str(i) for i in range(n)], "label": [i % 2 for i in range(n)]}),
+                   project / "data/prompts/train.parquet")
+
+
+@pytest.fixture
+def ppo_project(project: Path, tiny_gpt2_dir: Path, tiny_classifier_dir: Path, tokenizer_dir: Path) -> Path:
+    write_prompts(project, tokenizer_dir)
+    set_params(project, **{"model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir), **TINY})
+    return project

@@ -142,3 +142,13 @@ def test_missing_policy_fails_naming_it(stage_dir: Path, previous_metrics: None)
     with pytest.raises(ModelError, match=r"^models/policy: no trained policy here \(run the ppo stage\)"):
         main()
     assert outputs_untouched()
+
+
+def test_eval_prompts_from_another_tokenizer_fail_naming_the_row(stage_dir: Path, previous_metrics: None) -> None:
+    prompts = pd.read_parquet(PROMPTS)
+    prompts.at[2, "input_ids"] = [5, 9999]
+    prompts.to_parquet(PROMPTS)
+    with pytest.raises(DataError, match=r"^data/prompts/eval\.parquet: row 2: token id 9999 outside the tokenizer's "
+                                        r"400 ids"):
+        main()
+    assert outputs_untouched()

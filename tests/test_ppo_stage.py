@@ -15,28 +15,6 @@ import pytest
 from conftest import build_tiny_gpt2, set_params
 from transformers import AutoModelForCausalLM
 
-TINY = {"ppo.steps": 3, "ppo.batch_size": 4, "ppo.mini_batch_size": 2, "ppo.checkpoint_every": 2,
-        "ppo.response_min_tokens": 3, "ppo.response_max_tokens": 6}
-
-
-def write_prompts(project: Path, tokenizer_dir: Path, n: int = 12) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    queries = [["The movie was", "I think this", "A film about", "The actor"][i % 4] for i in range(n)]
-    ids = [tokenizer(q).input_ids for q in queries]
-    (project / "data/prompts").mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"query": queries, "input_ids": pa.array(ids, pa.list_(pa.int32())),
-                             "review_id": [str(i) for i in range(n)], "label": [i % 2 for i in range(n)]}),
-                   project / "data/prompts/train.parquet")
-
-
-@pytest.fixture
-def ppo_project(project: Path, tiny_gpt2_dir: Path, tiny_classifier_dir: Path, tokenizer_dir: Path) -> Path:
-    write_prompts(project, tokenizer_dir)
-    set_params(project, **{"model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir), **TINY})
-    return project
-
 
 def run(project: Path, *command: str) -> subprocess.CompletedProcess:
     return subprocess.run(list(command or (sys.executable, "-m", "stages.ppo")), cwd=project, capture_output=True,

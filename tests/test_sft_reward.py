@@ -28,8 +28,9 @@ def tiny_params(tokenizer_dir: Path, **sft_overrides: object) -> Params:
     p = Params()
     s = dataclasses.replace(p.sft, enabled=True, n_layer=2, n_embd=32, n_head=2, n_positions=64, block_size=32,
                             batch_size=8, max_tokens=8 * 32 * 60, learning_rate=3e-3, warmup_steps=5,
-                            **sft_overrides)
-    r = dataclasses.replace(p.reward, train=True, batch_size=16, learning_rate=1e-3, epochs=3, max_length=32)
+                            checkpoint_every=0, **sft_overrides)  # unit tests write no checkpoints
+    r = dataclasses.replace(p.reward, train=True, batch_size=16, learning_rate=1e-3, epochs=3, max_length=32,
+                            checkpoint_every=0)
     return dataclasses.replace(p, model=dataclasses.replace(p.model, tokenizer=str(tokenizer_dir)), sft=s, reward=r)
 
 

@@ -97,6 +97,9 @@ class SftParams:
     """Data-source splits to train on (never 'test': that is where perplexity is measured)."""
     eval_reviews: int = 500
     """Test-split reviews used for held-out perplexity."""
+    checkpoint_every: int | None = 50
+    """Optimizer steps per resumable checkpoint in data/checkpoints/sft/ (a rerun after a kill resumes from the
+    newest); 0 or null: off."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,9 @@ class RewardParams:
     center_coef: float = 0.01
     """Weight of mean((r_chosen + r_rejected)^2) in the loss: keeps scores centred on 0, so 'score > 0' reads as
     'more positive than the average snippet' (Eisenstein et al. 2023; TRL's center_rewards_coefficient)."""
+    checkpoint_every: int | None = 100
+    """Optimizer steps per resumable checkpoint in data/checkpoints/reward/ (a rerun after a kill resumes from the
+    newest); 0 or null: off."""
 
 
 @dataclass(frozen=True)
@@ -159,8 +165,10 @@ class PpoParams:
     disable_dropout: bool = True
     value_model: Literal["shared", "separate"] = "shared"
     """'shared': a value head on the policy's backbone; 'separate': a critic model initialised from the policy."""
-    checkpoint_every: int = 10
-    """Steps per rollout-log file (0: 10). Resumable checkpoints at this interval are not implemented yet."""
+    checkpoint_every: int | None = 10
+    """Steps per rollout-log file and per resumable checkpoint in data/checkpoints/ppo/ (kept outside DVC's outputs,
+    keyed by a fingerprint of the run; a rerun after a kill resumes from the newest). 0 or null: no checkpoints,
+    rollout files of 10 steps."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/inf score, loss or gradient: stop with a message, or skip the batch and count it."""
 
@@ -323,7 +331,7 @@ def _validate(p: Params, root: Path) -> None:
         _existing_path("sft.base", s.base, root)
     _positive(s, "sft", "n_layer", "n_embd", "n_head", "n_positions", "max_tokens", "block_size", "batch_size",
               "gradient_accumulation_steps", "learning_rate", "eval_reviews")
-    _non_negative(s, "sft", "weight_decay", "warmup_steps")
+    _non_negative(s, "sft", "weight_decay", "warmup_steps", "checkpoint_every")
     _require(0.0 <= s.dropout < 1.0, "sft.dropout", "must be in [0, 1)", s.dropout)
     _require(s.n_embd % s.n_head == 0, "sft.n_embd", f"must be divisible by sft.n_head ({s.n_head})", s.n_embd)
     if s.base == "scratch":
@@ -339,7 +347,7 @@ def _validate(p: Params, root: Path) -> None:
              "is 'sft' but sft.enabled is false (enable sft or name another base)", r.base)
     _existing_path("reward.model", r.model, root)
     _positive(r, "reward", "epochs", "learning_rate", "batch_size", "max_length")
-    _non_negative(r, "reward", "center_coef")
+    _non_negative(r, "reward", "center_coef", "checkpoint_every")
 
     o = p.ppo
     _positive(o, "ppo", "steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps",

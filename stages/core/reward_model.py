@@ -6,6 +6,7 @@ minibatch go through one forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification, GPT2Config, PreTrainedModel, PreTrainedTokenizerBase
 
+from stages.core import checkpoint
 from stages.core.errors import DataError, TrainingError
 from stages.core.modeling import SFT_DIR, fast_activations, load_sequence_classifier, load_tokenizer
 from stages.core.params import Params
@@ -90,20 +92,50 @@ class RewardResult:
     seconds: float
 
 
+CHECKPOINT_DIR = checkpoint.ROOT / "reward"
+PAIRS_DIR = "data/pairs"
+
+
+def run_fingerprint(params: Params) -> str:
+    """What determines a reward run: the params the stage reads (not the checkpoint interval) and its inputs."""
+    s = params.sft
+    config = {"seed": params.seed, "model": dataclasses.asdict(params.model), "sft.enabled": s.enabled,
+              "sft.shape": [s.n_layer, s.n_embd, s.n_head, s.n_positions],
+              "reward": dataclasses.asdict(params.reward) | {"checkpoint_every": None}}
+    path, tokenizer, _ = init_paths(params)
+    return checkpoint.fingerprint(config, [PAIRS_DIR, path or PAIRS_DIR, tokenizer])
+
+
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: pd.DataFrame, params: Params,
           device: torch.device, generator: torch.Generator) -> RewardResult:
+    """Bradley-Terry training, ``reward.epochs`` shuffled passes over the pairs.
+
+    With reward.checkpoint_every, a checkpoint every that many steps in data/checkpoints/reward/; a rerun after a
+    kill resumes from the newest one of the same run. The shuffles are drawn again from ``generator`` (it serves
+    nothing else), and the steps already done are skipped.
+    """
     r = params.reward
     n = len(pairs)
     steps = r.epochs * max(1, n // r.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=r.learning_rate)
     schedule = warmup_cosine(optimizer, min(50, steps // 10 + 1), steps)
     rating_gap = (pairs.get("chosen_rating", 0) - pairs.get("rejected_rating", 0)).clip(lower=0)
+    losses, earlier = [], 0.0
+    fingerprint = run_fingerprint(params) if r.checkpoint_every else None
+    found = checkpoint.resume_training(CHECKPOINT_DIR, fingerprint, "reward.checkpoint_every", model, optimizer,
+                                       schedule, {}) if fingerprint else None
+    if found is not None:
+        losses, earlier = found.state["losses"], found.state["seconds"]
+    done, step = len(losses), 0
     model.train()
-    losses, start = [], time.perf_counter()
-    bar = tqdm(total=steps, desc="reward")
+    start = time.perf_counter()
+    bar = tqdm(total=steps, desc="reward", initial=done)
     for _ in range(r.epochs):
         order = torch.randperm(n, generator=generator)
         for i in range(0, n - r.batch_size + 1, r.batch_size):
+            step += 1
+            if step <= done:
+                continue
             idx = order[i: i + r.batch_size].numpy()
             texts = pairs["chosen"].iloc[idx].tolist() + pairs["rejected"].iloc[idx].tolist()
             both = scores(model, tokenizer, texts, r.max_length, device, params.model.precision)
@@ -120,8 +152,13 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: pd.
             losses.append(loss.item())
             bar.update()
             bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            if fingerprint and step % r.checkpoint_every == 0 and step < steps:
+                checkpoint.save_training(CHECKPOINT_DIR, fingerprint, step - 1, model, optimizer, schedule, {},
+                                         {"losses": losses, "seconds": earlier + time.perf_counter() - start})
     bar.close()
-    return RewardResult(losses, time.perf_counter() - start)
+    if fingerprint:
+        checkpoint.clear(CHECKPOINT_DIR)
+    return RewardResult(losses, earlier + time.perf_counter() - start)
 
 
 @torch.no_grad()

@@ -36,9 +36,8 @@ class ClassifierScorer:
         self.tokenizer = load_tokenizer(name_or_dir, model_params, what=what, padding_side=None)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        labels = {v.upper(): k for k, v in (self.model.config.id2label or {}).items()}
-        n_out = self.model.config.num_labels
-        self.index = 0 if n_out == 1 else labels.get(positive_label.upper(), 1)
+        check_is_classifier(self.model, name_or_dir, what)
+        self.index = positive_index(self.model.config, positive_label, what)
         self.device, self.batch_size = torch.device(device), batch_size
 
     @torch.no_grad()
@@ -51,6 +50,27 @@ class ClassifierScorer:
             logits = self.model(**batch.to(self.device)).logits
             scores.append(logits[:, self.index].float().cpu())
         return torch.cat(scores)
+
+
+def check_is_classifier(model: torch.nn.Module, name: str, what: str) -> None:
+    """A causal LM (or any non-classifier) loads as a classifier with a random score head: refuse it, do not train
+    against noise."""
+    saved = model.config.architectures or []
+    if saved and not any(arch.endswith("ForSequenceClassification") for arch in saved):
+        raise ModelError(f"{what}: {name}: a {saved[0]}, not a sequence classifier (its score head would be random)")
+
+
+def positive_index(config: object, positive_label: str, what: str) -> int:
+    """One output: that scalar. Several: the output labelled ``positive_label`` (two unnamed labels: index 1)."""
+    if config.num_labels == 1:
+        return 0
+    labels = {v.upper(): k for k, v in (config.id2label or {}).items()}
+    if positive_label.upper() in labels:
+        return labels[positive_label.upper()]
+    if config.num_labels == 2:
+        return 1
+    raise ModelError(f"{what}: {config.num_labels} outputs and none labelled reward.positive_label="
+                     f"{positive_label!r} (labels: {', '.join(labels)}); a reward is one output or a named label")
 
 
 class VaderScorer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerBase
 
+from stages.core import checkpoint
 from stages.core.errors import DataError, ModelError, TrainingError
 from stages.core.modeling import context_size, fast_activations, load_causal_lm
 from stages.core.params import Params
@@ -76,9 +78,24 @@ class SftResult:
     seconds: float
 
 
+CHECKPOINT_DIR = checkpoint.ROOT / "sft"
+
+
+def run_fingerprint(params: Params) -> str:
+    """What determines an sft run: seed, data.*, model.*, sft.* (not its checkpoint interval) and the local inputs."""
+    config = {"seed": params.seed, "data": dataclasses.asdict(params.data), "model": dataclasses.asdict(params.model),
+              "sft": dataclasses.asdict(params.sft) | {"checkpoint_every": None}}
+    inputs = [params.data.source, params.model.tokenizer or "", params.model.policy, params.sft.base]
+    return checkpoint.fingerprint(config, [p for p in inputs if p])
+
+
 def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: torch.device,
           generator: torch.Generator) -> SftResult:
-    """Next-token training on random blocks until the sft.max_tokens budget is spent."""
+    """Next-token training on random blocks until the sft.max_tokens budget is spent.
+
+    With sft.checkpoint_every, a checkpoint every that many steps in data/checkpoints/sft/; a rerun after a kill
+    resumes from the newest one of the same run (see stages/core/checkpoint.py) to the same result.
+    """
     s = params.sft
     tokens_per_step = s.batch_size * s.block_size * s.gradient_accumulation_steps
     steps = max(1, s.max_tokens // tokens_per_step)
@@ -87,9 +104,16 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=s.learning_rate, betas=(0.9, 0.95))
     schedule = warmup_cosine(optimizer, min(s.warmup_steps, steps // 2), steps)
+    losses: list[tuple[int, float]] = []
+    fingerprint = run_fingerprint(params) if s.checkpoint_every else None
+    found = checkpoint.resume_training(CHECKPOINT_DIR, fingerprint, "sft.checkpoint_every", lm, optimizer, schedule,
+                                       {"blocks": generator}) if fingerprint else None
+    earlier = 0.0  # seconds spent before a resume
+    if found is not None:
+        losses, earlier = [tuple(pair) for pair in found.state["losses"]], found.state["seconds"]
     lm.train()
-    losses, start = [], time.perf_counter()
-    bar = tqdm(range(steps), desc="sft")
+    first, start = len(losses), time.perf_counter()
+    bar = tqdm(range(first, steps), desc="sft", initial=first, total=steps)
     for step in bar:
         for _ in range(s.gradient_accumulation_steps):
             idx = torch.randint(len(blocks), (s.batch_size,), generator=generator)
@@ -105,5 +129,10 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
         optimizer.zero_grad(set_to_none=True)
         losses.append((step, loss.item()))
         elapsed = time.perf_counter() - start
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{(step + 1) * tokens_per_step / elapsed:.0f}")
-    return SftResult(losses, steps * tokens_per_step, time.perf_counter() - start)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{(step + 1 - first) * tokens_per_step / elapsed:.0f}")
+        if fingerprint and (step + 1) % s.checkpoint_every == 0 and step + 1 < steps:
+            checkpoint.save_training(CHECKPOINT_DIR, fingerprint, step, lm, optimizer, schedule, {"blocks": generator},
+                                     {"losses": losses, "seconds": earlier + elapsed})
+    if fingerprint:
+        checkpoint.clear(CHECKPOINT_DIR)
+    return SftResult(losses, steps * tokens_per_step, earlier + time.perf_counter() - start)

@@ -230,6 +230,19 @@ class PPOTrainer:
             "tokens/response_length": mask.sum(1).float().mean().item(),
         }
 
+    # --- checkpointing ---------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        """What a resumed run needs besides the weights and the RNG states; JSON-ready except ``optimizer``."""
+        return {"optimizer": self.optimizer.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+                "score_moments": self.score_moments.state_dict(), "skipped_batches": self.skipped_batches}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.score_moments.load_state_dict(state["score_moments"])
+        self.skipped_batches = state["skipped_batches"]
+
 
 class _Timer:
     """Wall time of a phase; on CUDA it waits for the queued kernels so the phase gets its own time."""

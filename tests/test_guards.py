@@ -1,0 +1,87 @@
+"""Guarded inputs and resources not covered elsewhere: each fails with one line naming the culprit.
+
+CUDA out-of-memory is tested on CPU by a model or scorer that raises torch.OutOfMemoryError inside a real PPO step,
+so what is tested is our handler, not a mock of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import build_tiny_gpt2, set_params
+from test_ppo_stage import run
+from test_trainer import TokenShareScorer, batch, make_trainer
+
+from stages.core.errors import ModelError, TrainingError
+from stages.core.loop import run_step
+from stages.core.params import ModelParams
+from stages.core.scorers import ClassifierScorer
+
+
+class OutOfMemoryScorer(TokenShareScorer):
+    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_out_of_memory_in_the_rollout_names_the_batch_size(tiny_gpt2_dir: Path) -> None:
+    trainer = make_trainer(tiny_gpt2_dir, OutOfMemoryScorer)
+    with pytest.raises(TrainingError, match=r"^step 7: out of GPU memory in make_experience: lower ppo.batch_size"):
+        run_step(trainer, *batch(trainer), step=7)
+
+
+def test_out_of_memory_in_the_update_names_the_mini_batch_size(tiny_gpt2_dir: Path) -> None:
+    trainer = make_trainer(tiny_gpt2_dir)
+
+    def out_of_memory_with_grad(module: torch.nn.Module, args: tuple, output: object) -> None:
+        if torch.is_grad_enabled():  # only the update's forward passes build a graph
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    trainer.policy.lm.transformer.register_forward_hook(out_of_memory_with_grad)
+    with pytest.raises(TrainingError, match=r"^step 2: out of GPU memory in update: lower ppo.mini_batch_size and "
+                                            r"raise ppo.gradient_accumulation_steps"):
+        run_step(trainer, *batch(trainer), step=2)
+
+
+def test_a_causal_lm_is_not_a_reward_model(tiny_gpt2_dir: Path) -> None:
+    with pytest.raises(ModelError, match=r"^reward.model: .*: a GPT2LMHeadModel, not a sequence classifier"):
+        ClassifierScorer(str(tiny_gpt2_dir), ModelParams())
+
+
+def test_a_many_label_classifier_needs_the_positive_label(tmp_path: Path, tokenizer_dir: Path) -> None:
+    from conftest import build_tiny_classifier
+
+    three = build_tiny_classifier(tmp_path / "three", tokenizer_dir, num_labels=3)
+    with pytest.raises(ModelError, match=r"^reward.model: 3 outputs and none labelled reward.positive_label="
+                                         r"'POSITIVE' \(labels: LABEL_0, LABEL_1, LABEL_2\)"):
+        ClassifierScorer(str(three), ModelParams())
+
+
+def write_ids(project: Path, ids: list[list[int]]) -> None:
+    pq.write_table(pa.table({"query": [str(i) for i in range(len(ids))],
+                             "input_ids": pa.array(ids, pa.list_(pa.int32()))}),
+                   project / "data/prompts/train.parquet")
+
+
+def test_prompts_from_another_tokenizer_are_refused(ppo_project: Path) -> None:
+    write_ids(ppo_project, [[5, 6, 7]] * 7 + [[5, 4000, 7]] * 5)
+    result = run(ppo_project)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: data/prompts/train.parquet: row 7: token id 4000 outside the tokenizer's 400 ids (prompts "
+        "tokenized with another tokenizer: rerun prepare)")
+    assert not (ppo_project / "models/policy").exists() and not (ppo_project / "data/rollouts").exists()
+
+
+def test_prompts_longer_than_the_context_are_refused(ppo_project: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
+    short = build_tiny_gpt2(tmp_path / "short", tokenizer_dir, n_positions=16)
+    set_params(ppo_project, **{"model.policy": str(short)})  # 8 prompt + 6 response tokens fit by params
+    write_ids(ppo_project, [[5, 6, 7]] * 11 + [[5] * 12])
+    result = run(ppo_project)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: data/prompts/train.parquet: row 11: a 12-token prompt + ppo.response_max_tokens=6 exceed the "
+        "policy's 16 positions")

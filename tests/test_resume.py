@@ -1,0 +1,213 @@
+"""Kill -9 a ppo, sft or reward run at random moments, rerun it, and get exactly what an uninterrupted run gets:
+weights, rollout log, curves, metrics, and evaluate's metrics/eval.json (CPU, tiny models).
+
+Also: a changed param ignores the old run's checkpoint, a completed run leaves no checkpoint behind, and a NaN stop
+keeps the last good checkpoint and rollout files, from which ``ppo.nan_policy: skip`` resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from conftest import TINY, set_params
+from safetensors.torch import load_file
+from test_ppo_stage import run
+from test_sft_reward import signal_pairs
+
+from stages.core.errors import TrainingError
+from stages.core.loop import train
+from stages.core.params import load_params
+
+CHECKPOINTS = "data/checkpoints/ppo"
+STEPS = 40  # ~0.05 s each after ~8 s of start-up: long enough for a kill to land mid-run
+RESUMABLE = TINY | {"ppo.steps": STEPS, "ppo.checkpoint_every": 3}  # the last chunk is one step: not a boundary
+WALL_TIME = ("time/", "throughput/", "seconds")  # the only values allowed to differ between runs
+
+
+@pytest.fixture
+def resumable_project(ppo_project: Path) -> Path:
+    set_params(ppo_project, **RESUMABLE)
+    return ppo_project
+
+
+def newest_checkpoint(project: Path, stage: str = "ppo") -> str | None:
+    folder = project / "data/checkpoints" / stage
+    names = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
+    return names[-1] if names else None
+
+
+def start(project: Path, stage: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", f"stages.{stage}"], cwd=project, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(project)})
+
+
+def kill_after_progress(project: Path, delay: float, stage: str = "ppo") -> str | None:
+    """Start the stage, wait for a checkpoint newer than the one it resumed from, then SIGKILL it after a random
+    delay (mid-step, mid-flush or mid-save). Returns the newest checkpoint left behind (None: the run finished)."""
+    before = newest_checkpoint(project, stage)
+    process = start(project, stage)
+    deadline = time.monotonic() + 120
+    while (newest_checkpoint(project, stage) in (None, before) and process.poll() is None
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
+    time.sleep(delay)
+    if process.poll() is not None:
+        assert process.returncode == 0, process.stderr.read()
+        return None
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    return newest_checkpoint(project, stage)
+
+
+def outputs(project: Path) -> dict[str, object]:
+    """Everything the ppo stage writes, with wall times dropped."""
+    policy = project / "models/policy"
+    curves = {path.relative_to(project).as_posix(): path.read_text()
+              for path in sorted((project / "metrics/ppo/plots/metrics").rglob("*.tsv"))
+              if not path.relative_to(project / "metrics/ppo/plots/metrics").as_posix().startswith(WALL_TIME)}
+    summary = json.loads((project / "metrics/ppo.json").read_text())
+    return {
+        "weights": {k: v.tolist() for k, v in load_file(policy / "model.safetensors").items()},
+        "value_head": {k: v.tolist() for k, v in load_file(policy / "value_head.safetensors").items()},
+        "summary": {k: v for k, v in summary.items() if not k.startswith(WALL_TIME)},
+        "curves": curves,
+        "rollout_files": sorted(p.name for p in (project / "data/rollouts").iterdir()),
+    }
+
+
+@pytest.mark.slow
+def test_killed_runs_resume_to_the_uninterrupted_result(resumable_project: Path, tmp_path: Path) -> None:
+    reference = tmp_path / "uninterrupted"
+    shutil.copytree(resumable_project, reference)
+    result = run(reference)
+    assert result.returncode == 0, result.stderr
+    assert not (reference / CHECKPOINTS).exists(), "a completed run keeps no checkpoints"
+
+    rng = random.Random()
+    # the first kill right after a checkpoint appears, so that one surely lands mid-run; two more at random moments
+    delays = (0.0, rng.uniform(0.0, 0.6), rng.uniform(0.0, 0.6))
+    left = [kill_after_progress(resumable_project, delay) for delay in delays]
+    assert any(left), "no kill left a checkpoint to resume from"
+    result = run(resumable_project)
+    assert result.returncode == 0, result.stderr
+    if left[-1] is not None:
+        assert f"resuming after step {int(left[-1].removeprefix('step-'))}" in result.stderr
+
+    rollouts = pd.read_parquet(resumable_project / "data/rollouts")
+    assert rollouts.groupby("step").size().to_dict() == {step: 4 for step in range(STEPS)}  # each step once
+    pd.testing.assert_frame_equal(rollouts, pd.read_parquet(reference / "data/rollouts"))
+    resumed, uninterrupted = outputs(resumable_project), outputs(reference)
+    for key in uninterrupted:
+        assert resumed[key] == uninterrupted[key], key
+    assert not (resumable_project / CHECKPOINTS).exists()
+
+    # and so evaluate reports the same metrics for both policies
+    for project in (resumable_project, reference):
+        shutil.copy(project / "data/prompts/train.parquet", project / "data/prompts/eval.parquet")
+        result = run(project, sys.executable, "-m", "stages.evaluate")
+        assert result.returncode == 0, result.stderr
+    assert (json.loads((resumable_project / "metrics/eval.json").read_text())
+            == json.loads((reference / "metrics/eval.json").read_text()))
+
+
+@pytest.mark.slow
+def test_a_changed_param_ignores_the_old_checkpoint(resumable_project: Path) -> None:
+    assert kill_after_progress(resumable_project, delay=0.0) is not None
+    set_params(resumable_project, **{"ppo.learning_rate": 1e-3, "ppo.steps": 4})
+    result = run(resumable_project)
+    assert result.returncode == 0, result.stderr
+    assert "another run's checkpoint" in result.stderr and "resuming" not in result.stderr
+    assert sorted(pd.read_parquet(resumable_project / "data/rollouts")["step"].unique()) == [0, 1, 2, 3]
+
+
+class LengthScorer:
+    """Response length / 10, and NaN on the ``nan_call``-th call (one call per PPO step)."""
+
+    name = "length"
+
+    def __init__(self, nan_call: int | None = None) -> None:
+        self.calls, self.nan_call = 0, nan_call
+
+    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+        self.calls += 1
+        scores = torch.tensor([len(r) / 10 for r in responses])
+        if self.calls == self.nan_call:
+            scores[0] = float("nan")
+        return scores
+
+
+@pytest.mark.slow
+def test_a_nan_stop_keeps_the_last_checkpoint_and_logs_and_skip_resumes_from_them(
+        ppo_project: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    set_params(ppo_project, **{"ppo.steps": 8, "ppo.checkpoint_every": 2})
+    monkeypatch.chdir(ppo_project)
+    with pytest.raises(TrainingError, match=r"^step 5: score: the reward scorer returned NaN/inf"):
+        train(load_params(), LengthScorer(nan_call=6))
+    assert newest_checkpoint(ppo_project) == "step-000003"
+    assert sorted(p.name for p in (ppo_project / "data/rollouts").iterdir()) == [
+        "steps-000000-000001.parquet", "steps-000002-000003.parquet"]
+
+    set_params(ppo_project, **{"ppo.nan_policy": "skip"})
+    caplog.set_level("INFO")
+    summary = train(load_params(), LengthScorer())
+    assert "resuming after step 3" in caplog.text
+    assert sorted(pd.read_parquet("data/rollouts")["step"].unique()) == list(range(8))
+    assert summary["skipped_batches"] == 0
+
+
+# each stage trains a tiny model for ~40 steps with a checkpoint every 5: the sft run draws blocks from a generator,
+# the reward run shuffles the pairs once per epoch (2 epochs), so both kinds of resumed data order are covered
+SHAPE = {"sft.n_layer": 1, "sft.n_embd": 32, "sft.n_head": 2, "sft.n_positions": 64, "sft.block_size": 32}
+SETTINGS = {
+    "sft": SHAPE | {"sft.enabled": True, "sft.batch_size": 8, "sft.max_tokens": 8 * 32 * 40,
+                    "sft.eval_reviews": 8, "sft.warmup_steps": 10, "sft.checkpoint_every": 5},
+    "reward": SHAPE | {"reward.train": True, "reward.base": "scratch", "reward.batch_size": 8, "reward.epochs": 2,
+                       "reward.max_length": 16, "reward.checkpoint_every": 5},
+}
+OUTPUTS = {"sft": ["models/sft/model.safetensors", "metrics/sft/loss.csv", "metrics/sft.json"],
+           "reward": ["models/reward/model.safetensors", "metrics/reward/scores.csv", "metrics/reward.json"]}
+
+
+def stage_outputs(project: Path, stage: str) -> dict[str, object]:
+    files = {}
+    for name in OUTPUTS[stage]:
+        path = project / name
+        files[name] = ({k: v for k, v in json.loads(path.read_text()).items() if not k.startswith(WALL_TIME)
+                        and k != "tokens_per_s"} if path.suffix == ".json" else path.read_bytes())
+    return files
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_a_killed_sft_or_reward_run_resumes_to_the_uninterrupted_result(
+        stage: str, project: Path, imdb_dir: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
+    set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir), **SETTINGS[stage]})
+    (project / "data/pairs").mkdir(parents=True)
+    signal_pairs(320, 0).to_parquet(project / "data/pairs/train.parquet")  # 2 epochs x 40 steps
+    signal_pairs(16, 1).to_parquet(project / "data/pairs/test.parquet")
+    reference = tmp_path / "uninterrupted"
+    shutil.copytree(project, reference)
+    result = run(reference, sys.executable, "-m", f"stages.{stage}")
+    assert result.returncode == 0, result.stderr
+
+    rng = random.Random()
+    # the first kill comes right after a checkpoint (these runs take ~1 s after start-up), the second at random
+    left = [kill_after_progress(project, delay, stage) for delay in (0.0, rng.uniform(0.0, 0.3))]
+    assert any(left), "no kill left a checkpoint to resume from"
+    result = run(project, sys.executable, "-m", f"stages.{stage}")
+    assert result.returncode == 0, result.stderr
+    if left[-1] is not None:
+        assert f"{stage}: resuming after step {int(left[-1].removeprefix('step-'))}" in result.stderr
+    assert stage_outputs(project, stage) == stage_outputs(reference, stage)
+    assert not (project / "data/checkpoints" / stage).exists()
