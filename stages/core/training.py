@@ -22,7 +22,7 @@ def cpu_has_bf16() -> bool:
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
-def mixed_precision(device: torch.device, precision: str = "auto") -> torch.dtype | None:
+def mixed_precision(device: torch.device, precision: str) -> torch.dtype | None:
     """The autocast dtype for ``model.precision``: bf16, or None for plain fp32.
 
     ``auto`` is bf16 on CUDA and on CPUs with native bf16 matmuls, fp32 elsewhere.
@@ -32,7 +32,7 @@ def mixed_precision(device: torch.device, precision: str = "auto") -> torch.dtyp
     return torch.bfloat16 if precision == "bf16" else None
 
 
-def autocast(device: torch.device, precision: str = "auto") -> contextlib.AbstractContextManager:
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """bf16 autocast where ``mixed_precision`` says so, else a no-op (fp32)."""
     dtype = mixed_precision(device, precision)
     if dtype is None:
