@@ -103,7 +103,7 @@ def run_fingerprint(params: Params) -> str:
               "sft.shape": [s.n_layer, s.n_embd, s.n_head, s.n_positions],
               "reward": dataclasses.asdict(params.reward) | {"checkpoint_every": None}}
     path, tokenizer, _ = init_paths(params)
-    return checkpoint.fingerprint(config, [PAIRS_DIR, path or PAIRS_DIR, tokenizer])
+    return checkpoint.fingerprint(config, [p for p in (PAIRS_DIR, path, tokenizer) if p])  # path: None from scratch
 
 
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: pd.DataFrame, params: Params,
