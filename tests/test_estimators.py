@@ -1,4 +1,4 @@
-"""The critic-free estimators (RLOO, GRPO, REINFORCE++) against slow references written straight
+"""The critic-free estimators (RLOO, GRPO, REINFORCE++) and GRPO's KL loss against slow references written straight
 from their papers' formulas, on ragged batches of k samples per prompt."""
 
 from __future__ import annotations
@@ -222,3 +222,35 @@ def test_estimators_need_a_real_token_per_row(name: str) -> None:
     with pytest.raises(ValueError, match=rf"{name}: rows \[1, 3\] have no real response token"):
         call()
 
+
+# --- GRPO's KL loss --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kl_loss_coef", [0.04, 1.0])
+def test_kl_loss_is_the_k3_estimator_masked_mean_with_its_gradient(batch, kl_loss_coef: float) -> None:
+    k, mask, g = batch
+    logprobs = (torch.randn(mask.shape, generator=g, dtype=torch.float64) - 1).requires_grad_()
+    ref_logprobs = torch.randn(mask.shape, generator=g, dtype=torch.float64) - 1
+    with torch.no_grad():
+        logprobs[~mask.bool()] = -40.0  # k3 there is ~e^40: masked, it must count for nothing
+    loss = ppo.kl_loss(logprobs, ref_logprobs, mask, kl_loss_coef)
+    loss.backward()
+    total, n, grads = 0.0, 0, {}
+    for i in range(len(mask)):
+        for t in real_positions(mask, i):
+            log_r = ref_logprobs[i, t].item() - logprobs[i, t].item()  # log(pi_ref / pi)
+            total += math.exp(log_r) - log_r - 1  # Shao et al. 2024, eq. 4
+            n += 1
+            grads[i, t] = 1 - math.exp(log_r)  # d/d log pi of the term above
+    assert loss.item() == pytest.approx(kl_loss_coef * total / n, rel=1e-12)
+    for i in range(len(mask)):
+        for t in range(T):
+            expected = kl_loss_coef * grads[i, t] / n if (i, t) in grads else 0.0
+            assert logprobs.grad[i, t].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_kl_loss_is_zero_at_the_reference_and_positive_elsewhere() -> None:
+    g = torch.Generator().manual_seed(1)
+    logprobs, mask = torch.randn(4, 5, generator=g), torch.ones(4, 5)
+    assert ppo.kl_loss(logprobs, logprobs, mask, 0.1).item() == 0.0
+    assert ppo.kl_loss(logprobs, logprobs + 0.3 * torch.randn(4, 5, generator=g), mask, 0.1).item() > 0

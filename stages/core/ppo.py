@@ -312,7 +312,7 @@ def grpo_advantages(sequence_rewards: torch.Tensor, mask: torch.Tensor, k: int, 
     on every real token of sample i, 0 on padding; (B,) ``sequence_rewards``, (B, T) ``mask`` -> (B, T) advantages.
     The paper names neither the std nor an eps; like TRL's GRPOTrainer, std is the unbiased (Bessel-corrected) one
     and eps = 1e-4 is added to it, so a group whose k rewards are all equal gets advantages 0, not 0/0. Samples
-    grouped as in group_view; k >= 2.
+    grouped as in group_view; k >= 2. The paper's KL regulariser is a loss term, not part of r: see ``kl_loss``.
     """
     r = _groups(sequence_rewards, mask, k, "grpo_advantages")
     return _on_real_tokens((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps), mask)
@@ -385,6 +385,20 @@ def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor, old_logprobs: torch.T
     stats = {"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), "loss/total": loss.detach(),
              "policy/skipped": skipped.float(), **pg_stats, **vf_stats}
     return loss, stats
+
+
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
+            kl_loss_coef: float) -> torch.Tensor:
+    """GRPO's KL regulariser as a loss term to add (Shao et al. 2024, eq. 4): kl_loss_coef times the masked mean of
+    the per-token k3 estimate of KL(pi || pi_ref),
+
+        pi_ref / pi - log(pi_ref / pi) - 1    (unbiased, >= 0),
+
+    with pi the policy being trained (``logprobs``, differentiable) and pi_ref the reference; (B, T) in, scalar out.
+    The paper averages over each response's tokens, then over responses; this averages over every real token of the
+    batch, as policy_loss does, so that kl_loss_coef weighs the two terms alike.
+    """
+    return kl_loss_coef * masked_mean(kl_penalty(logprobs, ref_logprobs, "k3"), mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
