@@ -295,8 +295,9 @@ def rloo_advantages(sequence_rewards: torch.Tensor, mask: torch.Tensor, k: int) 
 
     on every real token of sample i, 0 on padding; (B,) ``sequence_rewards``, (B, T) ``mask`` -> (B, T) advantages.
     R_i is the whole sequence's reward; here the score plus the summed per-token KL penalty (``rewards.sum(1)`` of
-    compute_rewards), so the KL penalty stays in the reward, as the paper's R(x, y) - beta log(pi / pi_ref) does.
-    Samples grouped as in group_view; k >= 2.
+    compute_rewards), so the KL penalty stays in the reward, as the paper's R(x, y) - beta log(pi / pi_ref) does
+    (and TRL's RLOOTrainer; OpenRLHF instead subtracts the baseline from the score alone and keeps the KL penalty per
+    token). Samples grouped as in group_view; k >= 2.
     """
     R = _groups(sequence_rewards, mask, k, "rloo_advantages")
     baseline = (R.sum(1, keepdim=True) - R) / (k - 1)
@@ -326,7 +327,8 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor,
 
         G_t = sum_{s >= t} gamma^(s-t) r_s,
 
-    and advantages = G whitened over every real token of the whole batch (masked_whiten). Returns (advantages,
+    and advantages = G whitened over every real token of the whole batch (masked_whiten: the unbiased variance;
+    OpenRLHF's biased one differs by n / (n - 1) over n real tokens: negligible at a batch's). Returns (advantages,
     returns), each (B, T) and zero off the mask. No critic and no group baseline: the prompts' groups play no part,
     whatever k (OpenRLHF's "REINFORCE++-baseline" would first subtract each group's mean score; not done here).
 
