@@ -44,6 +44,13 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     return whitened if shift_mean else whitened + mean
 
 
+def require_real_tokens(mask: torch.Tensor, caller: str, why: str = "") -> None:
+    """A ValueError from ``caller`` naming the rows of the (B, T) ``mask`` that have no real token."""
+    empty = (~mask.bool().any(-1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"{caller}: rows {empty} have no real response token{why}")
+
+
 def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     """(B, T) -> (B,) index of the first nonzero in each row, T where a row has none."""
     T = bools.shape[-1]
@@ -173,10 +180,8 @@ def compute_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: 
 
     Returns (rewards, non_score_reward, kl), each (B, T) and zero off the mask.
     """
+    require_real_tokens(mask, "compute_rewards", " to carry their score")
     last = last_true_indices(mask)
-    if (last < 0).any():
-        empty = (last < 0).nonzero().flatten().tolist()
-        raise ValueError(f"compute_rewards: rows {empty} have no real response token to carry their score")
     mask = mask.to(logprobs.dtype)
     kl = kl_penalty(logprobs, ref_logprobs, kl_mode, logits, ref_logits) * mask
     non_score_reward = -kl_coef * kl
@@ -250,6 +255,90 @@ def compute_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# critic-free advantages
+#
+# RLOO and GRPO compare the k responses sampled for the same prompt. A batch of B = n_prompts * k samples holds each
+# prompt's k samples contiguously (sample index = prompt * k + j), so a (B,) tensor's groups are ``x.view(-1, k)``.
+# They score the whole response as one action: the advantage of sample i is one number, put on each of its real
+# tokens. Neither paper whitens these advantages over the batch, and neither do we.
+
+
+def group_view(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(B,) per-sample values -> (B // k, k): one row per prompt, holding its k samples in order."""
+    if k < 1:
+        raise ValueError(f"group_view: k = {k} samples per prompt; it must be >= 1")
+    if x.shape[0] % k:
+        raise ValueError(f"group_view: a batch of {x.shape[0]} samples is not a multiple of k = {k} samples per "
+                         "prompt")
+    return x.view(-1, k)
+
+
+def _groups(sequence_rewards: torch.Tensor, mask: torch.Tensor, k: int, caller: str) -> torch.Tensor:
+    """The checks RLOO and GRPO share -> their rewards as (n_prompts, k) groups."""
+    if k < 2:
+        raise ValueError(f"{caller}: k = {k} samples per prompt; a baseline from the other samples of a prompt "
+                         "needs k >= 2")
+    require_real_tokens(mask, caller)
+    return group_view(sequence_rewards, k)
+
+
+def _on_real_tokens(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(n_prompts, k) -> (B, T): each sample's value on each of its real tokens, 0 on padding."""
+    return per_sample.reshape(-1, 1) * mask.to(per_sample.dtype)
+
+
+def rloo_advantages(sequence_rewards: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740): the baseline of sample i
+    is the mean reward of the other k - 1 samples of its prompt,
+
+        A_i = R_i - 1/(k-1) sum_{j != i} R_j    (= k/(k-1) (R_i - mean_j R_j)),
+
+    on every real token of sample i, 0 on padding; (B,) ``sequence_rewards``, (B, T) ``mask`` -> (B, T) advantages.
+    R_i is the whole sequence's reward; here the score plus the summed per-token KL penalty (``rewards.sum(1)`` of
+    compute_rewards), so the KL penalty stays in the reward, as the paper's R(x, y) - beta log(pi / pi_ref) does
+    (and TRL's RLOOTrainer; OpenRLHF instead subtracts the baseline from the score alone and keeps the KL penalty per
+    token). Samples grouped as in group_view; k >= 2.
+    """
+    R = _groups(sequence_rewards, mask, k, "rloo_advantages")
+    baseline = (R.sum(1, keepdim=True) - R) / (k - 1)
+    return _on_real_tokens(R - baseline, mask)
+
+
+def grpo_advantages(sequence_rewards: torch.Tensor, mask: torch.Tensor, k: int, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO with outcome supervision (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300, section 4.1.2): each reward
+    normalised within its prompt's group of k samples,
+
+        A_i = (r_i - mean_group(r)) / (std_group(r) + eps),
+
+    on every real token of sample i, 0 on padding; (B,) ``sequence_rewards``, (B, T) ``mask`` -> (B, T) advantages.
+    The paper names neither the std nor an eps; like TRL's GRPOTrainer, std is the unbiased (Bessel-corrected) one
+    and eps = 1e-4 is added to it, so a group whose k rewards are all equal gets advantages 0, not 0/0. Samples
+    grouped as in group_view; k >= 2. The paper's KL regulariser is a loss term, not part of r: see ``kl_loss``.
+    """
+    r = _groups(sequence_rewards, mask, k, "grpo_advantages")
+    return _on_real_tokens((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps), mask)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor,
+                            gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262), the paper's plain version: per-token ``rewards`` (the score on the
+    last real token and the token-level KL penalty on each, as compute_rewards gives them) -> the discounted returns
+    over each row's real tokens
+
+        G_t = sum_{s >= t} gamma^(s-t) r_s,
+
+    and advantages = G whitened over every real token of the whole batch (masked_whiten: the unbiased variance;
+    OpenRLHF's biased one differs by n / (n - 1) over n real tokens: negligible at a batch's). Returns (advantages,
+    returns), each (B, T) and zero off the mask. No critic and no group baseline: the prompts' groups play no part,
+    whatever k (OpenRLHF's "REINFORCE++-baseline" would first subtract each group's mean score; not done here).
+
+    This is GAE with V = 0 and lambda = 1 (delta_t = r_t, so A_t = G_t), hence the call.
+    """
+    require_real_tokens(mask, "reinforce_pp_advantages")
+    return compute_advantages(torch.zeros_like(rewards), rewards, mask, gamma, lam=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # losses
 
 
@@ -298,6 +387,20 @@ def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor, old_logprobs: torch.T
     stats = {"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), "loss/total": loss.detach(),
              "policy/skipped": skipped.float(), **pg_stats, **vf_stats}
     return loss, stats
+
+
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
+            kl_loss_coef: float) -> torch.Tensor:
+    """GRPO's KL regulariser as a loss term to add (Shao et al. 2024, eq. 4): kl_loss_coef times the masked mean of
+    the per-token k3 estimate of KL(pi || pi_ref),
+
+        pi_ref / pi - log(pi_ref / pi) - 1    (unbiased, >= 0),
+
+    with pi the policy being trained (``logprobs``, differentiable) and pi_ref the reference; (B, T) in, scalar out.
+    The paper averages over each response's tokens, then over responses; this averages over every real token of the
+    batch, as policy_loss does, so that kl_loss_coef weighs the two terms alike.
+    """
+    return kl_loss_coef * masked_mean(kl_penalty(logprobs, ref_logprobs, "k3"), mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

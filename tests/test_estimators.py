@@ -1,0 +1,256 @@
+"""The critic-free estimators (RLOO, GRPO, REINFORCE++) and GRPO's KL loss against slow references written straight
+from their papers' formulas, on ragged batches of k samples per prompt."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stages.core import ppo
+
+N_PROMPTS, T = 3, 6
+GARBAGE = 1e6  # what padded positions hold: it must never reach a real token
+
+
+def ragged_mask(k: int, side: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """(N_PROMPTS * k, T) mask, rows of random lengths 1..T (one of length 1, one full), padded on ``side``
+    (``mixed``: even rows on the left, odd rows on the right)."""
+    B = N_PROMPTS * k
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()
+    lengths[seed % B], lengths[(seed + 1) % B] = 1, T
+    mask = torch.zeros(B, T, dtype=dtype)
+    for i, n in enumerate(lengths):
+        if side == "left" or (side == "mixed" and i % 2 == 0):
+            mask[i, T - n:] = 1
+        else:
+            mask[i, :n] = 1
+    return mask
+
+
+def real_positions(mask: torch.Tensor, i: int) -> list[int]:
+    return [t for t in range(mask.shape[1]) if mask[i, t]]
+
+
+CASES = [(k, side, dtype) for k in (2, 3, 4) for side in ("left", "right", "mixed") for dtype in (torch.bool,
+                                                                                                   torch.float32)]
+
+
+@pytest.fixture(params=CASES, ids=[f"k{k}-{side}-{str(dtype)[6:]}" for k, side, dtype in CASES])
+def batch(request: pytest.FixtureRequest) -> tuple[int, torch.Tensor, torch.Generator]:
+    k, side, dtype = request.param
+    seed = 10 * k + len(side)
+    return k, ragged_mask(k, side, dtype, seed), torch.Generator().manual_seed(seed)
+
+
+def assert_per_sample_on_real_tokens(got: torch.Tensor, mask: torch.Tensor, expected: list[float]) -> None:
+    """Sample i's expected advantage on each of its real tokens, exactly 0 on padding."""
+    for i in range(got.shape[0]):
+        real = real_positions(mask, i)
+        for t in range(got.shape[1]):
+            if t in real:
+                assert got[i, t].item() == pytest.approx(expected[i], rel=1e-12, abs=1e-12)
+            else:
+                assert got[i, t].item() == 0.0
+
+
+# --- RLOO ------------------------------------------------------------------------------------------------------------
+
+
+def rloo_reference(R: list[float], k: int) -> list[float]:
+    """Ahmadian et al. 2024: A_i = R_i - 1/(k-1) sum_{j != i} R_j, j over the samples of i's prompt."""
+    advantages = []
+    for prompt in range(len(R) // k):
+        group = R[prompt * k: (prompt + 1) * k]
+        for j in range(k):
+            others = [group[jj] for jj in range(k) if jj != j]
+            advantages.append(group[j] - sum(others) / (k - 1))
+    return advantages
+
+
+def test_rloo_matches_the_paper(batch) -> None:
+    k, mask, g = batch
+    R = torch.randn(len(mask), generator=g, dtype=torch.float64) * 3
+    got = ppo.rloo_advantages(R, mask, k)
+    assert got.dtype == torch.float64 and got.shape == mask.shape
+    assert_per_sample_on_real_tokens(got, mask, rloo_reference(R.tolist(), k))
+
+
+def test_rloo_advantages_of_a_group_sum_to_zero_and_ignore_a_shift_of_the_group(batch) -> None:
+    k, mask, g = batch
+    R = torch.randn(len(mask), generator=g, dtype=torch.float64)
+    per_sample = ppo.group_view(ppo.rloo_advantages(R, mask, k).sum(1) / mask.sum(1), k)
+    torch.testing.assert_close(per_sample.sum(1), torch.zeros(N_PROMPTS, dtype=torch.float64))
+    # the equivalent form k/(k-1) (R_i - mean of the group)
+    groups = ppo.group_view(R, k)
+    torch.testing.assert_close(per_sample, k / (k - 1) * (groups - groups.mean(1, keepdim=True)))
+    shifted = R + torch.arange(N_PROMPTS, dtype=torch.float64).repeat_interleave(k) * 100
+    torch.testing.assert_close(ppo.rloo_advantages(shifted, mask, k), ppo.rloo_advantages(R, mask, k))
+
+
+# --- GRPO ------------------------------------------------------------------------------------------------------------
+
+
+def grpo_reference(r: list[float], k: int, eps: float) -> list[float]:
+    """Shao et al. 2024: A_i = (r_i - mean(r)) / (std(r) + eps) over i's group; std with Bessel's correction."""
+    advantages = []
+    for prompt in range(len(r) // k):
+        group = r[prompt * k: (prompt + 1) * k]
+        mean = sum(group) / k
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (k - 1))
+        advantages += [(x - mean) / (std + eps) for x in group]
+    return advantages
+
+
+@pytest.mark.parametrize("eps", [1e-4, 0.5])
+def test_grpo_matches_the_paper(batch, eps: float) -> None:
+    k, mask, g = batch
+    r = torch.randn(len(mask), generator=g, dtype=torch.float64) * 3
+    got = ppo.grpo_advantages(r, mask, k, eps)
+    assert got.dtype == torch.float64 and got.shape == mask.shape
+    assert_per_sample_on_real_tokens(got, mask, grpo_reference(r.tolist(), k, eps))
+
+
+def test_grpo_defaults_to_trl_eps() -> None:
+    r, mask = torch.tensor([0.0, 1.0, 3.0, 5.0], dtype=torch.float64), torch.ones(4, 1)
+    torch.testing.assert_close(ppo.grpo_advantages(r, mask, 2), ppo.grpo_advantages(r, mask, 2, eps=1e-4))
+
+
+def test_grpo_groups_have_mean_zero_unit_std_and_ignore_shift_and_scale(batch) -> None:
+    k, mask, g = batch
+    r = torch.randn(len(mask), generator=g, dtype=torch.float64) * 5
+    per_sample = ppo.group_view(ppo.grpo_advantages(r, mask, k).sum(1) / mask.sum(1), k)
+    torch.testing.assert_close(per_sample.mean(1), torch.zeros(N_PROMPTS, dtype=torch.float64))
+    assert per_sample.std(1).tolist() == pytest.approx([1.0] * N_PROMPTS, abs=1e-3)  # eps keeps it a hair below 1
+    transformed = r * 7 + torch.arange(N_PROMPTS, dtype=torch.float64).repeat_interleave(k) * 100
+    torch.testing.assert_close(ppo.grpo_advantages(transformed, mask, k, eps=0.0),
+                               ppo.grpo_advantages(r, mask, k, eps=0.0))
+
+
+def test_grpo_group_of_equal_rewards_gets_zero_advantages() -> None:
+    r = torch.tensor([2.0, 2.0, 2.0, 1.0, 0.0, 5.0])
+    got = ppo.grpo_advantages(r, torch.ones(6, 2), 3)
+    assert (got[:3] == 0).all() and (got[3:] != 0).all() and torch.isfinite(got).all()
+
+
+# --- REINFORCE++ -----------------------------------------------------------------------------------------------------
+
+
+def reinforce_pp_reference(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> tuple[list, list]:
+    """Hu 2025: G_t = sum_{s >= t} gamma^(s-t) r_s over a row's real tokens; advantages = G whitened over all real
+    tokens of the batch, as masked_whiten does (unbiased variance, + 1e-8). Per row: (returns, advantages)."""
+    returns = []
+    for i in range(rewards.shape[0]):
+        r = [rewards[i, t].item() for t in real_positions(mask, i)]
+        returns.append([sum(gamma ** (s - t) * r[s] for s in range(t, len(r))) for t in range(len(r))])
+    flat = [x for row in returns for x in row]
+    mean = sum(flat) / len(flat)
+    var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
+    return returns, [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in returns]
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_pp_matches_the_paper(batch, gamma: float) -> None:
+    k, mask, g = batch
+    rewards = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    rewards[~mask.bool()] = GARBAGE
+    advantages, returns = ppo.reinforce_pp_advantages(rewards, mask, gamma)
+    expected_returns, expected_advantages = reinforce_pp_reference(rewards, mask, gamma)
+    for i in range(len(mask)):
+        real = real_positions(mask, i)
+        assert returns[i, real].tolist() == pytest.approx(expected_returns[i], rel=1e-12, abs=1e-12)
+        assert advantages[i, real].tolist() == pytest.approx(expected_advantages[i], rel=1e-10, abs=1e-10)
+    padding = ~mask.bool()
+    assert (advantages[padding] == 0).all() and (returns[padding] == 0).all()
+
+
+def test_reinforce_pp_advantages_have_batch_mean_zero_and_unit_std(batch) -> None:
+    k, mask, g = batch
+    rewards = torch.randn(mask.shape, generator=g, dtype=torch.float64) * 4 + 2
+    advantages, _ = ppo.reinforce_pp_advantages(rewards, mask, 1.0)
+    real = advantages[mask.bool()]
+    assert real.mean().item() == pytest.approx(0.0, abs=1e-12)
+    assert real.std().item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_reinforce_pp_return_of_the_first_token_is_score_plus_kl_penalty() -> None:
+    """With gamma = 1 and compute_rewards' rewards, G at a row's first real token is its whole sequence reward."""
+    g = torch.Generator().manual_seed(5)
+    mask = ragged_mask(2, "mixed", torch.float32, 3)
+    logprobs, ref_logprobs = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    scores = torch.randn(len(mask), generator=g)
+    rewards, non_score_reward, _ = ppo.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.2)
+    _, returns = ppo.reinforce_pp_advantages(rewards, mask, 1.0)
+    first = ppo.first_true_indices(mask)
+    torch.testing.assert_close(returns[torch.arange(len(mask)), first], scores + non_score_reward.sum(1))
+
+
+# --- errors ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", [ppo.rloo_advantages, ppo.grpo_advantages])
+@pytest.mark.parametrize("k", [1, 0])
+def test_group_estimators_need_two_samples_per_prompt(estimator, k: int) -> None:
+    with pytest.raises(ValueError, match=rf"{estimator.__name__}: k = {k} samples per prompt; .* needs k >= 2"):
+        estimator(torch.zeros(4), torch.ones(4, 3), k)
+
+
+@pytest.mark.parametrize("estimator", [ppo.rloo_advantages, ppo.grpo_advantages])
+def test_group_estimators_need_whole_groups(estimator) -> None:
+    with pytest.raises(ValueError, match="group_view: a batch of 5 samples is not a multiple of k = 2 samples"):
+        estimator(torch.zeros(5), torch.ones(5, 3), 2)
+
+
+def test_group_view_layout_and_errors() -> None:
+    x = torch.arange(6)
+    assert ppo.group_view(x, 3).tolist() == [[0, 1, 2], [3, 4, 5]]  # sample index = prompt * k + j
+    assert ppo.group_view(x, 1).tolist() == [[v] for v in range(6)]
+    with pytest.raises(ValueError, match="group_view: k = 0 samples per prompt; it must be >= 1"):
+        ppo.group_view(x, 0)
+    with pytest.raises(ValueError, match="group_view: a batch of 6 samples is not a multiple of k = 4"):
+        ppo.group_view(x, 4)
+
+
+@pytest.mark.parametrize("name", ["rloo_advantages", "grpo_advantages", "reinforce_pp_advantages"])
+def test_estimators_need_a_real_token_per_row(name: str) -> None:
+    mask = torch.tensor([[1, 1], [0, 0], [0, 1], [0, 0]], dtype=torch.bool)
+    call = {"rloo_advantages": lambda: ppo.rloo_advantages(torch.zeros(4), mask, 2),
+            "grpo_advantages": lambda: ppo.grpo_advantages(torch.zeros(4), mask, 2),
+            "reinforce_pp_advantages": lambda: ppo.reinforce_pp_advantages(torch.zeros(4, 2), mask, 1.0)}[name]
+    with pytest.raises(ValueError, match=rf"{name}: rows \[1, 3\] have no real response token"):
+        call()
+
+
+# --- GRPO's KL loss --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kl_loss_coef", [0.04, 1.0])
+def test_kl_loss_is_the_k3_estimator_masked_mean_with_its_gradient(batch, kl_loss_coef: float) -> None:
+    k, mask, g = batch
+    logprobs = (torch.randn(mask.shape, generator=g, dtype=torch.float64) - 1).requires_grad_()
+    ref_logprobs = torch.randn(mask.shape, generator=g, dtype=torch.float64) - 1
+    with torch.no_grad():
+        logprobs[~mask.bool()] = -40.0  # k3 there is ~e^40: masked, it must count for nothing
+    loss = ppo.kl_loss(logprobs, ref_logprobs, mask, kl_loss_coef)
+    loss.backward()
+    total, n, grads = 0.0, 0, {}
+    for i in range(len(mask)):
+        for t in real_positions(mask, i):
+            log_r = ref_logprobs[i, t].item() - logprobs[i, t].item()  # log(pi_ref / pi)
+            total += math.exp(log_r) - log_r - 1  # Shao et al. 2024, eq. 4
+            n += 1
+            grads[i, t] = 1 - math.exp(log_r)  # d/d log pi of the term above
+    assert loss.item() == pytest.approx(kl_loss_coef * total / n, rel=1e-12)
+    for i in range(len(mask)):
+        for t in range(T):
+            expected = kl_loss_coef * grads[i, t] / n if (i, t) in grads else 0.0
+            assert logprobs.grad[i, t].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_kl_loss_is_zero_at_the_reference_and_positive_elsewhere() -> None:
+    g = torch.Generator().manual_seed(1)
+    logprobs, mask = torch.randn(4, 5, generator=g), torch.ones(4, 5)
+    assert ppo.kl_loss(logprobs, logprobs, mask, 0.1).item() == 0.0
+    assert ppo.kl_loss(logprobs, logprobs + 0.3 * torch.randn(4, 5, generator=g), mask, 0.1).item() > 0
