@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import re
 import typing
 from pathlib import Path
 
 import pytest
-import yaml
 
 from stages.core.errors import ParamsError
-from stages.core.params import Params, load_params, parse_params
+from stages.core.params import Params, load_params, parse_params, read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def raw() -> dict:
-    return yaml.safe_load((ROOT / "params.yaml").read_text())
+    return read_yaml(ROOT / "params.yaml")
 
 
 def with_value(raw: dict, dotted: str, value: object) -> dict:
@@ -56,21 +57,21 @@ def _dotted_keys(cls: type, prefix: str = "") -> set[str]:
 
 def test_dvc_yaml_params_name_real_keys() -> None:
     known = _dotted_keys(Params)
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    stages = read_yaml(ROOT / "dvc.yaml")["stages"]
     for name, stage in stages.items():
         for key in stage.get("params", []):
             assert key in known, f"dvc.yaml stage {name} lists unknown param {key}"
 
 
 def test_ppo_params_are_read_only_by_ppo_and_evaluate() -> None:
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    stages = read_yaml(ROOT / "dvc.yaml")["stages"]
     readers = {name for name, s in stages.items() for k in s.get("params", []) if k == "ppo" or k.startswith("ppo.")}
     assert readers == {"ppo", "evaluate"}
     assert not any(k.startswith("ppo") or k == "evaluate" for k in stages["prepare"]["params"])
 
 
 def test_stage_deps_exist() -> None:
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    stages = read_yaml(ROOT / "dvc.yaml")["stages"]
     for name, stage in stages.items():
         for dep in stage.get("deps", []):
             if dep.startswith(("stages/", "data/raw")):
@@ -153,8 +154,43 @@ def test_relative_local_paths_resolve_against_the_params_folder(tmp_path: Path, 
     (tmp_path / "imdb").mkdir()
     raw["data"]["source"] = "./imdb"
     path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path.write_text(json.dumps(raw))  # JSON is YAML
     assert load_params(path).data.source == "./imdb"
+
+
+def write_spelled(folder: Path, dotted: str, spelling: str) -> Path:
+    """The shipped params.yaml with one ppo.* value written as ``spelling``, verbatim."""
+    section, key = dotted.split(".")
+    text, n = re.subn(rf"(?ms)^({section}:.*?^  {key}: )\S+", lambda m: m[1] + spelling,
+                      (ROOT / "params.yaml").read_text(), count=1)
+    assert n == 1
+    (folder / "params.yaml").write_text(text)
+    return folder / "params.yaml"
+
+
+@pytest.mark.parametrize(("dotted", "spelling", "value"), [
+    ("ppo.learning_rate", "1e-5", 1e-5),
+    ("ppo.learning_rate", "5e-05", 5e-5),
+    ("ppo.learning_rate", "3E-4", 3e-4),
+    ("ppo.learning_rate", ".5", 0.5),
+    ("ppo.horizon", "1_000", 1000.0),
+])
+def test_yaml_1_2_numbers_are_numbers(tmp_path: Path, dotted: str, spelling: str, value: float) -> None:
+    """DVC reads and writes params.yaml as YAML 1.2 (`-S lr=1e-5` is written back as `1e-05`), so must we."""
+    loaded = getattr(load_params(write_spelled(tmp_path, dotted, spelling)).ppo, dotted.split(".")[1])
+    assert loaded == value and isinstance(loaded, float)
+
+
+@pytest.mark.parametrize(("dotted", "spelling", "rule"), [
+    ("ppo.learning_rate", "'5e-05'", "must be a number (got '5e-05' (a string): write it without quotes)"),
+    ("ppo.steps", '"194"', "must be an integer (got '194' (a string): write it without quotes)"),
+    ("ppo.adap_kl_ctrl", "yes", "must be a bool (got 'yes')"),  # YAML 1.2: only true/false are booleans
+])
+def test_quoted_numbers_and_yaml_1_1_booleans_are_strings(tmp_path: Path, dotted: str, spelling: str,
+                                                          rule: str) -> None:
+    with pytest.raises(ParamsError) as err:
+        load_params(write_spelled(tmp_path, dotted, spelling))
+    assert str(err.value) == f"params.yaml: {dotted}: {rule}"
 
 
 def test_unreadable_params_file(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
+from ruamel.yaml import YAML, YAMLError
 
 from stages.core.errors import ParamsError
 
@@ -216,6 +216,19 @@ def _fail(key: str, rule: str, value: Any) -> typing.NoReturn:
     raise ParamsError(f"params.yaml: {key}: {rule} (got {value!r})")
 
 
+def _quoted_number_hint(value: Any, tp: type) -> str:
+    """' (a string): write it without quotes' when ``value`` is a quoted spelling of a ``tp`` number."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        unquoted = _yaml().load(value)
+    except YAMLError:
+        return ""
+    wanted = (int, float) if tp is float else (int,)
+    ok = isinstance(unquoted, wanted) and not isinstance(unquoted, bool)
+    return " (a string): write it without quotes" if ok else ""
+
+
 def _check_type(key: str, tp: Any, value: Any) -> Any:
     """Return ``value`` coerced to ``tp`` (int -> float only), or fail naming the key and the expected type."""
     origin = typing.get_origin(tp)
@@ -235,14 +248,12 @@ def _check_type(key: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, list):
             _fail(key, f"must be a list of {inner.__name__}", value)
         return [_check_type(f"{key}[{i}]", inner, v) for i, v in enumerate(value)]
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            _fail(key, "must be a number", value)
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(key, "must be an integer", value)
-        return value
+    if tp in (float, int):
+        wanted = int | float if tp is float else int
+        if isinstance(value, bool) or not isinstance(value, wanted):
+            what = "a number" if tp is float else "an integer"
+            raise ParamsError(f"params.yaml: {key}: must be {what} (got {value!r}{_quoted_number_hint(value, tp)})")
+        return tp(value)
     if not isinstance(value, tp):
         _fail(key, f"must be a {tp.__name__}", value)
     return value
@@ -382,13 +393,27 @@ def parse_params(raw: Any, root: Path | str = ".") -> Params:
     return params
 
 
+def _yaml() -> YAML:
+    return YAML(typ="safe")
+
+
+def read_yaml(path: Path | str) -> Any:
+    """A YAML file as DVC reads it (DVC parses params with ruamel.yaml's safe loader and writes ``-S`` values back
+    with ruamel too): YAML 1.2, so ``1e-5``, ``5e-05``, ``3E-4``, ``.5`` and ``1_000`` are numbers, a quoted
+    ``'5e-05'`` stays a string, and ``yes``/``on`` are strings, not booleans. Every YAML the stages and the recipe
+    runner read goes through here."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: not found (run from the project root)") from None
+    try:
+        return _yaml().load(text)
+    except YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {str(e).strip().splitlines()[0]}") from None
+
+
 def load_params(path: Path | str = PARAMS_FILE) -> Params:
     """Read and validate params.yaml (relative paths in it resolve against its folder)."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ParamsError(f"{path}: not found (run stages from the project root)") from None
-    except yaml.YAMLError as e:
-        raise ParamsError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
-    return parse_params(raw, path.parent)
+    return parse_params(read_yaml(path), path.parent)
