@@ -10,7 +10,6 @@ peak_gflops, update_share_of_peak, learn_gflops, prompts_sha1.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import torch
@@ -56,9 +55,9 @@ def build_trainer(cfg: BenchConfig, tokenizer, device: torch.device, bf16: bool)
     ref.load_state_dict(lm.state_dict())
     disable_dropout(lm)
     disable_dropout(ref)
-    ppo = dataclasses.replace(PpoParams(), batch_size=cfg.batch_size, mini_batch_size=cfg.mini_batch_size,
-                              ppo_epochs=cfg.ppo_epochs, learning_rate=cfg.learning_rate,
-                              response_min_tokens=cfg.new_tokens, response_max_tokens=cfg.new_tokens)
+    ppo = PpoParams(batch_size=cfg.batch_size, mini_batch_size=cfg.mini_batch_size, ppo_epochs=cfg.ppo_epochs,
+                    learning_rate=cfg.learning_rate, response_min_tokens=cfg.new_tokens,
+                    response_max_tokens=cfg.new_tokens)
     return PPOTrainer(PolicyWithValueHead(lm).to(device), ref.to(device), tokenizer, StandInScorer(tokenizer), ppo,
                       device, precision="bf16" if bf16 else "fp32")
 

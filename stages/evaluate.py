@@ -2,8 +2,7 @@
 
 Reads   data/prompts/eval.parquet, models/policy, the reference (models/sft when sft.enabled, else model.policy),
         the reward (models/reward when reward.train, else reward.model), the judges of evaluate.judges
-Params  seed, model.*, sft.enabled, reward.train/model/positive_label,
-        ppo.response_min_tokens/response_max_tokens/top_k/top_p/temperature (sampling as in training), evaluate.*
+Params  STAGE_PARAMS["evaluate"] in stages/core/params.py (listed by --help)
 Writes  metrics/eval.json                     flat keys (see stages/core/evaluation.py) for dvc metrics diff
         data/eval/samples.parquet             query, response_before/after, every score before/after, kl, kl_full
         metrics/evaluate/report.md            before/after summary and examples
@@ -19,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from stages.core.errors import ModelError, run_stage
-from stages.core.evaluation import REWARD, evaluate_policy, judge_names, markdown_report, score_histogram
+from stages.core.evaluation import REWARD, evaluate_policy, markdown_report, score_histogram
 from stages.core.io import remove_outputs, seed_everything, write_json, write_parquet, write_text
 from stages.core.loop import check_prompts, read_prompts
 from stages.core.modeling import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
@@ -40,7 +39,7 @@ def describe(params: Params, n: int) -> str:
     """The report's one-paragraph account of what was measured."""
     cfg = params.ppo
     judges = ", ".join(name if name == spec else f"{name} (`{spec}`)"
-                       for name, spec in zip(judge_names(params.evaluate.judges), params.evaluate.judges, strict=True))
+                       for name, spec in zip(params.evaluate.judge_names, params.evaluate.judges, strict=True))
     return (f"{n} held-out prompts from `{PROMPTS}`. Each model answers every prompt once, with the same per-prompt "
             f"response length ({cfg.response_min_tokens}-{cfg.response_max_tokens} tokens) and seed "
             f"({params.seed}), sampled as in training (top_k={cfg.top_k}, top_p={cfg.top_p}, "
@@ -50,7 +49,7 @@ def describe(params: Params, n: int) -> str:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    names = judge_names(params.evaluate.judges)
+    names = params.evaluate.judge_names
     prompts = read_prompts(PROMPTS)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     seed_everything(params.seed)

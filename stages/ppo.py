@@ -2,7 +2,7 @@
 
 Reads   data/prompts/train.parquet, the initial policy and reference (models/sft when sft.enabled, else
         model.policy), the reward (models/reward when reward.train, else reward.model)
-Params  seed, model.*, sft.enabled, reward.train/model/positive_label, ppo.*
+Params  STAGE_PARAMS["ppo"] in stages/core/params.py (listed by --help)
 Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM), value_head.safetensors beside it
         data/rollouts/*.parquet one row per sample per step
         metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput)

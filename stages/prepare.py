@@ -1,7 +1,7 @@
 """prepare: IMDb -> tokenized prompts and chosen/rejected preference pairs.
 
 Reads   data.source (train and test splits), the pipeline tokenizer (never the policy model)
-Params  seed, data.*, model.policy/tokenizer/revision/trust_remote_code, sft.enabled/base (which tokenizer), prepare.*
+Params  STAGE_PARAMS["prepare"] in stages/core/params.py (listed by --help)
 Writes  data/prompts/{train,eval}.parquet   query, input_ids, review_id, label
         data/pairs/{train,test}.parquet     chosen, rejected, chosen_id, rejected_id, chosen_rating, rejected_rating
         metrics/prepare.json                row counts, prompt lengths, seconds

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from stages.core.errors import ParamsError, run_stage
-from stages.core.params import PARAMS_FILE, parse_params
+from stages.core.params import PARAMS_FILE, parse_params, read_yaml
 
 PRESETS = Path("presets")
 LOCAL_INPUTS = {"imdb": "data/raw/imdb", "tokenizer": "data/raw/gpt2-tokenizer"}
@@ -47,9 +47,31 @@ def overlay(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def as_override(value: Any) -> str:
-    """A value as DVC's ``-S key=value`` parses it (YAML flow style: null, 1e-05, [train, unsupervised])."""
-    return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
+# a string Hydra's override grammar (which parses DVC's -S values) reads back unquoted as the same string
+PLAIN_STRING = re.compile(r"(?:[A-Za-z_]|\.{0,2}/)[A-Za-z0-9_./-]*")
+HYDRA_KEYWORDS = {"true", "false", "null", "inf", "nan"}
+
+
+def as_override(value: None | bool | int | float | str | list) -> str:
+    """A validated params value spelled so that ``dvc exp run -S key=<it>`` writes back the same value and type.
+
+    DVC parses ``-S`` with Hydra's override grammar (not YAML): null, true, 1e-05, [train,unsupervised], and a string
+    that would read as something else (``'1'``, ``'null'``, ``'a b'``) in single quotes.
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ",".join(map(as_override, value)) + "]"
+    if PLAIN_STRING.fullmatch(value) and value.lower() not in HYDRA_KEYWORDS:
+        return value
+    # Hydra's quoted strings: \' is a quote; backslashes are literal except before a quote or the closing quote
+    escaped = re.sub(r"(\\*)'", lambda m: m[1] * 2 + "\\'", value)
+    escaped = re.sub(r"(\\+)$", lambda m: m[1] * 2, escaped)
+    return f"'{escaped}'"
 
 
 def load_preset(name: str) -> dict[str, Any]:
@@ -57,7 +79,7 @@ def load_preset(name: str) -> dict[str, Any]:
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
         raise ParamsError(f"{path}: no such preset (known: {known})")
-    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return read_yaml(path) or {}
 
 
 def ensure_local_inputs(changes: dict[str, Any], sources: dict[str, Path]) -> None:
@@ -81,14 +103,14 @@ def main() -> None:
     args, dvc_args = parser.parse_known_args()
 
     changes = load_preset(args.preset)
-    base = yaml.safe_load(Path(PARAMS_FILE).read_text(encoding="utf-8"))
+    base = read_yaml(PARAMS_FILE)
     ensure_local_inputs(changes, {"imdb": args.imdb, "tokenizer": args.tokenizer})
     parse_params(overlay(base, changes), ".")
 
     command = ["dvc", "exp", "run", *dvc_args]
     for key, value in flatten(changes).items():
         command += ["-S", f"{key}={as_override(value)}"]
-    print(" ".join(command), flush=True)
+    print(shlex.join(command), flush=True)
     if not args.dry_run:
         sys.exit(subprocess.run(command).returncode)
 

@@ -1,7 +1,7 @@
 """reward: a preference reward model trained on chosen/rejected pairs (Bradley-Terry).
 
 Reads   data/pairs/{train,test}.parquet, the initial model (models/sft, a Hub id / local dir, or scratch)
-Params  seed, model.*, sft.enabled and sft.n_* (scratch shape), reward.*
+Params  STAGE_PARAMS["reward"] in stages/core/params.py (listed by --help)
 Writes  models/reward/                  one-output sequence classifier + tokenizer; only a DISABLED marker when
                                         reward.train is false (ppo then scores with reward.model)
         metrics/reward.json             held-out pair accuracy, mean margin, score means

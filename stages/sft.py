@@ -1,7 +1,7 @@
 """sft: a causal LM trained (from scratch or from sft.base) on IMDb text, the offline recipe's policy.
 
 Reads   data.source (sft.splits for training, the test split for perplexity), the tokenizer
-Params  seed, data.*, model.*, sft.*
+Params  STAGE_PARAMS["sft"] in stages/core/params.py (listed by --help)
 Writes  models/sft/           HF model (safetensors) + tokenizer + generation config; only a DISABLED marker when
                               sft.enabled is false
         metrics/sft.json      held-out perplexity, final loss, tokens, tokens/s

@@ -178,18 +178,17 @@ def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedPr
 
 
 def set_params(project: Path, **updates: object) -> None:
-    """Set dotted keys in the project's params.yaml (``set_params(p, **{"ppo.steps": 2})``)."""
-    import yaml
+    """Set dotted keys in the project's params.yaml (``set_params(p, **{"ppo.steps": 2})``), written as
+    ``dvc exp run -S`` writes it (DVC's own round-trip YAML writer: comments kept, floats as ``1e-05``)."""
+    from dvc.utils.serialize import modify_yaml
 
-    path = project / "params.yaml"
-    raw = yaml.safe_load(path.read_text())
-    for dotted, value in updates.items():
-        node = raw
-        *parents, last = dotted.split(".")
-        for key in parents:
-            node = node[key]
-        node[last] = value
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with modify_yaml(project / "params.yaml") as raw:
+        for dotted, value in updates.items():
+            node = raw
+            *parents, last = dotted.split(".")
+            for key in parents:
+                node = node[key]
+            node[last] = value
 
 
 # --- a project ready for the ppo stage (tiny policy, tiny classifier as reward, 12 prompts) --------------------------

@@ -9,12 +9,10 @@ import pandas as pd
 import pytest
 import torch
 
-from stages.core.errors import ParamsError
 from stages.core.evaluation import (
     REWARD,
     distinct_n,
     eval_metrics,
-    judge_names,
     markdown_report,
     perplexity,
     positive_threshold,
@@ -103,11 +101,6 @@ def test_distinct_n() -> None:
 ])
 def test_judge_name_is_a_dvc_friendly_basename(spec: str, name: str) -> None:
     assert judge_name(spec) == name
-
-
-def test_two_judges_with_one_name_fail_naming_both_keys() -> None:
-    with pytest.raises(ParamsError, match=r"evaluate\.judges\[2\]: judge name 'clf' repeats evaluate\.judges\[0\]"):
-        judge_names(["a/clf", "vader", "b/clf"])
 
 
 def test_vader_positive_rule_is_compound_above_0_05() -> None:

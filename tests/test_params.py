@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
-import typing
+import json
+import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from stages.core.errors import ParamsError
-from stages.core.params import Params, load_params, parse_params
+from stages.core.params import (
+    STAGE_PARAMS,
+    Params,
+    declaration,
+    dotted_keys,
+    load_params,
+    parse_params,
+    read_yaml,
+    stage_params,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def raw() -> dict:
-    return yaml.safe_load((ROOT / "params.yaml").read_text())
+    return read_yaml(ROOT / "params.yaml")
 
 
 def with_value(raw: dict, dotted: str, value: object) -> dict:
@@ -45,32 +53,41 @@ def test_classic_recipe_defaults() -> None:
     assert (p.ppo.init_kl_coef, p.ppo.target, p.ppo.horizon, p.ppo.gamma, p.ppo.lam) == (0.2, 6.0, 10000.0, 1.0, 0.95)
 
 
-def _dotted_keys(cls: type, prefix: str = "") -> set[str]:
-    keys = set()
-    for name, tp in typing.get_type_hints(cls).items():
-        keys.add(prefix + name)
-        if dataclasses.is_dataclass(tp):
-            keys |= _dotted_keys(tp, f"{prefix}{name}.")
-    return keys
+def test_every_key_is_documented() -> None:
+    undocumented = [key for key in dotted_keys() if not declaration(key).description]
+    assert not undocumented
 
 
-def test_dvc_yaml_params_name_real_keys() -> None:
-    known = _dotted_keys(Params)
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+def test_dvc_yaml_params_are_the_declared_stage_params() -> None:
+    stages = read_yaml(ROOT / "dvc.yaml")["stages"]
+    assert set(stages) == set(STAGE_PARAMS)
     for name, stage in stages.items():
-        for key in stage.get("params", []):
-            assert key in known, f"dvc.yaml stage {name} lists unknown param {key}"
+        assert stage["params"] == list(STAGE_PARAMS[name]), f"dvc.yaml stage {name}: params differ from STAGE_PARAMS"
+    sections = set(Params.model_fields)
+    for name, entries in STAGE_PARAMS.items():
+        for entry in entries:
+            assert entry in dotted_keys() or entry in sections, f"STAGE_PARAMS[{name!r}]: {entry} is no param"
+
+
+def test_stage_params_are_json_ready_and_honour_exclude() -> None:
+    p = Params()
+    ppo = stage_params(p, "ppo", exclude=("ppo.nan_policy",))
+    assert json.loads(json.dumps(ppo)) == ppo
+    assert ppo["prepare.prompt_max_tokens"] == 8 and ppo["model.precision"] == "auto" and ppo["ppo.steps"] == 194
+    assert "ppo.nan_policy" not in ppo and "ppo.checkpoint_every" in ppo and "reward.base" not in ppo
+    assert set(stage_params(p, "sft")) == {"seed", *(k for k in dotted_keys() if k.startswith(("data.", "model.",
+                                                                                                    "sft.")))}
 
 
 def test_ppo_params_are_read_only_by_ppo_and_evaluate() -> None:
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    stages = read_yaml(ROOT / "dvc.yaml")["stages"]
     readers = {name for name, s in stages.items() for k in s.get("params", []) if k == "ppo" or k.startswith("ppo.")}
     assert readers == {"ppo", "evaluate"}
     assert not any(k.startswith("ppo") or k == "evaluate" for k in stages["prepare"]["params"])
 
 
 def test_stage_deps_exist() -> None:
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    stages = read_yaml(ROOT / "dvc.yaml")["stages"]
     for name, stage in stages.items():
         for dep in stage.get("deps", []):
             if dep.startswith(("stages/", "data/raw")):
@@ -142,19 +159,105 @@ def test_scratch_model_must_hold_prompt_and_response(raw: dict) -> None:
         parse_params(raw, ROOT)
 
 
-def test_ints_are_accepted_for_floats_and_missing_keys_take_defaults(raw: dict) -> None:
-    raw["ppo"] = {"learning_rate": 1, "steps": 3}
+def test_ints_are_accepted_for_floats(raw: dict) -> None:
+    raw["ppo"]["learning_rate"] = 1
     p = parse_params(raw, ROOT)
     assert p.ppo.learning_rate == 1.0 and isinstance(p.ppo.learning_rate, float)
-    assert p.ppo.steps == 3 and p.ppo.batch_size == Params().ppo.batch_size
+
+
+@pytest.mark.parametrize(("dotted", "value", "rule"), [
+    ("ppo.steps", True, "must be an integer (got True)"),
+    ("ppo.steps", 2.0, "must be an integer (got 2.0)"),
+    ("ppo.steps", "8", "must be an integer (got '8' (a string): write it without quotes)"),
+    ("ppo.learning_rate", "5e-05", "must be a number (got '5e-05' (a string): write it without quotes)"),
+    ("ppo.learning_rate", "fast", "must be a number (got 'fast')"),
+    ("ppo.learning_rate", float("nan"), "must be a finite number (got nan)"),
+    ("ppo.checkpoint_every", "10", "must be an integer (got '10' (a string): write it without quotes)"),
+    ("ppo.max_grad_norm", 0, "must be > 0 (got 0)"),
+    ("sft.dropout", 1.0, "must be in [0, 1) (got 1.0)"),
+    ("sft.splits", [], "must not be empty (got [])"),
+    ("model.precision", "fp16", "must be one of auto, fp32, bf16 (got 'fp16')"),
+    ("data.source", 3, "must be a str (got 3)"),
+])
+def test_strict_types_and_declared_bounds(raw: dict, dotted: str, value: object, rule: str) -> None:
+    with pytest.raises(ParamsError) as err:
+        parse_params(with_value(raw, dotted, value), ROOT)
+    assert str(err.value) == f"params.yaml: {dotted}: {rule}"
+
+
+@pytest.mark.parametrize(("dotted", "message"), [
+    ("ppo.steps", "params.yaml: ppo.steps: missing (params.yaml is the DVC cache key: every key must be written out; "
+                  "default: 194)"),
+    ("evaluate", "params.yaml: evaluate: missing (params.yaml is the DVC cache key: every key must be written out; "
+                 "a section)"),
+])
+def test_a_missing_key_is_an_error_not_a_default(raw: dict, dotted: str, message: str) -> None:
+    *parents, last = dotted.split(".")
+    node = raw
+    for key in parents:
+        node = node[key]
+    del node[last]
+    with pytest.raises(ParamsError) as err:
+        parse_params(raw, ROOT)
+    assert str(err.value) == message
+
+
+def test_an_unknown_key_is_named_before_a_missing_one(raw: dict) -> None:
+    raw["ppo"]["lr"] = raw["ppo"].pop("learning_rate")  # a typo
+    with pytest.raises(ParamsError, match="^params.yaml: ppo.lr: unknown key"):
+        parse_params(raw, ROOT)
+
+
+def test_two_judges_with_one_name_fail_naming_both_keys(raw: dict) -> None:
+    with pytest.raises(ParamsError) as err:
+        parse_params(with_value(raw, "evaluate.judges", ["a/clf", "vader", "b/clf"]), ROOT)
+    assert str(err.value) == ("params.yaml: evaluate.judges[2]: judge name 'clf' repeats evaluate.judges[0] (names "
+                              "are the model's basename; list each judge once) (got 'b/clf')")
+    assert parse_params(with_value(raw, "evaluate.judges", ["a/clf", "vader"]), ROOT).evaluate.judge_names == [
+        "clf", "vader"]
 
 
 def test_relative_local_paths_resolve_against_the_params_folder(tmp_path: Path, raw: dict) -> None:
     (tmp_path / "imdb").mkdir()
     raw["data"]["source"] = "./imdb"
     path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path.write_text(json.dumps(raw))  # JSON is YAML
     assert load_params(path).data.source == "./imdb"
+
+
+def write_spelled(folder: Path, dotted: str, spelling: str) -> Path:
+    """The shipped params.yaml with one ppo.* value written as ``spelling``, verbatim."""
+    section, key = dotted.split(".")
+    text, n = re.subn(rf"(?ms)^({section}:.*?^  {key}: )\S+", lambda m: m[1] + spelling,
+                      (ROOT / "params.yaml").read_text(), count=1)
+    assert n == 1
+    (folder / "params.yaml").write_text(text)
+    return folder / "params.yaml"
+
+
+@pytest.mark.parametrize(("dotted", "spelling", "value"), [
+    ("ppo.learning_rate", "1e-5", 1e-5),
+    ("ppo.learning_rate", "5e-05", 5e-5),
+    ("ppo.learning_rate", "3E-4", 3e-4),
+    ("ppo.learning_rate", ".5", 0.5),
+    ("ppo.horizon", "1_000", 1000.0),
+])
+def test_yaml_1_2_numbers_are_numbers(tmp_path: Path, dotted: str, spelling: str, value: float) -> None:
+    """DVC reads and writes params.yaml as YAML 1.2 (`-S lr=1e-5` is written back as `1e-05`), so must we."""
+    loaded = getattr(load_params(write_spelled(tmp_path, dotted, spelling)).ppo, dotted.split(".")[1])
+    assert loaded == value and isinstance(loaded, float)
+
+
+@pytest.mark.parametrize(("dotted", "spelling", "rule"), [
+    ("ppo.learning_rate", "'5e-05'", "must be a number (got '5e-05' (a string): write it without quotes)"),
+    ("ppo.steps", '"194"', "must be an integer (got '194' (a string): write it without quotes)"),
+    ("ppo.adap_kl_ctrl", "yes", "must be a bool (got 'yes')"),  # YAML 1.2: only true/false are booleans
+])
+def test_quoted_numbers_and_yaml_1_1_booleans_are_strings(tmp_path: Path, dotted: str, spelling: str,
+                                                          rule: str) -> None:
+    with pytest.raises(ParamsError) as err:
+        load_params(write_spelled(tmp_path, dotted, spelling))
+    assert str(err.value) == f"params.yaml: {dotted}: {rule}"
 
 
 def test_unreadable_params_file(tmp_path: Path) -> None:
@@ -168,5 +271,5 @@ def test_unreadable_params_file(tmp_path: Path) -> None:
 def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
     p = Params()
     assert p.tokenizer_path == "lvwerra/gpt2-imdb"
-    p = dataclasses.replace(p, sft=dataclasses.replace(p.sft, enabled=True, base="gpt2"))
+    p = p.model_copy(update={"sft": p.sft.model_copy(update={"enabled": True, "base": "gpt2"})})
     assert p.tokenizer_path == "gpt2"

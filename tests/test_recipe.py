@@ -1,22 +1,29 @@
-"""The preset runner validates the overlaid params before anything runs and passes each key to dvc exp run."""
+"""The preset runner validates the overlaid params before anything runs and passes each key to dvc exp run, spelled
+so that DVC writes back the same value and type, and every shipped preset gets through a real ``dvc exp run``."""
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from conftest import dvc, set_params
 
-from stages.recipe import flatten, overlay
+from stages.core.params import load_params, read_yaml
+from stages.recipe import as_override, flatten, overlay
 
 ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted(p.stem for p in (ROOT / "presets").glob("*.yaml"))
 
 
-def run_recipe(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+def run_recipe(cwd: Path, *args: str, path: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "stages.recipe", *args], cwd=cwd, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
+                          env={**os.environ, "PYTHONPATH": str(cwd if path else ROOT), "PATH": path,
+                               "DVC_NO_ANALYTICS": "1"})
 
 
 def test_flatten_and_overlay() -> None:
@@ -27,25 +34,73 @@ def test_flatten_and_overlay() -> None:
     assert base["ppo"]["steps"] == 194
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "presets").glob("*.yaml")))
+@pytest.mark.parametrize("value", [
+    None, True, False, 0, -3, 1000, 1e-05, 5e-05, 0.0005, 1.41e-05, 10000.0, 1e20, float("inf"),
+    "data/raw/imdb", "lvwerra/distilbert-imdb", "./x", "../x", "/abs/path", "POSITIVE",
+    "1", "1e5", ".5", "null", "True", "inf", "NaN", "", "a b", "x,y", "it's", "a\\b", "a\\", "a\\'b", "~/x", "-x",
+    ["train", "unsupervised"], [], ["a b", "1"],
+])
+def test_override_values_parse_back_as_dvc_parses_them(value: object) -> None:
+    # DVC hands each -S to Hydra's override parser; what it returns is what DVC writes into params.yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_override(f"key={as_override(value)}").value()
+    assert parsed == value and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_shipped_presets_are_valid(preset: str, tmp_path: Path, imdb_dir: Path, tokenizer_dir: Path) -> None:
     (tmp_path / "presets").mkdir()
-    (tmp_path / "presets" / f"{preset}.yaml").write_text((ROOT / "presets" / f"{preset}.yaml").read_text())
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    shutil.copy(ROOT / "presets" / f"{preset}.yaml", tmp_path / "presets")
+    shutil.copy(ROOT / "params.yaml", tmp_path)
     result = run_recipe(tmp_path, preset, "--imdb", str(imdb_dir), "--tokenizer", str(tokenizer_dir), "--dry-run")
     assert result.returncode == 0, result.stderr
-    command = result.stdout.strip().splitlines()[-1]
-    assert command.startswith("dvc exp run -S ")
-    for key, value in flatten(yaml.safe_load((ROOT / "presets" / f"{preset}.yaml").read_text())).items():
-        assert f"-S {key}=" in command
-        if value == "data/raw/imdb":
-            assert (tmp_path / value / "train.parquet").exists()
+    command = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert command[:3] == ["dvc", "exp", "run"]
+    expected = [f"{key}={as_override(value)}"
+                for key, value in flatten(read_yaml(ROOT / "presets" / f"{preset}.yaml")).items()]
+    assert command[3::2] == ["-S"] * len(expected) and command[4::2] == expected
+    if "data.source=data/raw/imdb" in expected:
+        assert (tmp_path / "data/raw/imdb/train.parquet").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_preset_runs_prepare_through_real_dvc(preset: str, project: Path, imdb_dir: Path,
+                                                   tokenizer_dir: Path) -> None:
+    """The README's command for a preset, limited to its first stage, on the tiny data: DVC rewrites params.yaml with
+    the preset's values (YAML 1.2 floats such as 5e-05) and the stage must read them back and run."""
+    shutil.copytree(ROOT / "presets", project / "presets")
+    bin_dir = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    result = run_recipe(project, preset, "prepare", "--imdb", str(imdb_dir), "--tokenizer", str(tokenizer_dir),
+                        path=bin_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Running stage 'prepare'" in result.stdout
+    assert (project / "data/prompts/train.parquet").exists() and (project / "metrics/prepare.json").exists()
+    written = flatten(read_yaml(project / "params.yaml"))
+    for key, value in flatten(read_yaml(ROOT / "presets" / f"{preset}.yaml")).items():
+        assert written[key] == value and type(written[key]) is type(value), key
+    load_params(project / "params.yaml")
+
+
+@pytest.mark.slow
+def test_dvc_set_param_floats_reach_the_stage(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> None:
+    """`-S ppo.learning_rate=1e-5` is written back by DVC as `1e-05`, a YAML 1.2 float that a YAML 1.1 reader takes
+    for a string; the stage must accept it."""
+    set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir),
+                           "prepare.eval_prompts": 20, "prepare.train_pairs": 30, "prepare.test_pairs": 10})
+    dvc(project, "exp", "run", "-S", "ppo.learning_rate=1e-5", "-S", "ppo.init_kl_coef=5e-3", "prepare")
+    text = (project / "params.yaml").read_text()
+    assert "learning_rate: 1e-05" in text and "init_kl_coef: 0.005" in text
+    ppo = load_params(project / "params.yaml").ppo
+    assert (ppo.learning_rate, ppo.init_kl_coef) == (1e-05, 0.005)
+    assert (project / "metrics/prepare.json").exists()
 
 
 def test_a_bad_preset_fails_before_running(tmp_path: Path) -> None:
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "broken.yaml").write_text("ppo:\n  batch_size: -1\n")
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    shutil.copy(ROOT / "params.yaml", tmp_path)
     result = run_recipe(tmp_path, "broken", "--dry-run")
     assert result.returncode == 1
     assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be > 0 (got -1)"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -63,6 +62,6 @@ def test_judge_names_are_metric_friendly() -> None:
 
 def test_trained_reward_model_must_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    params = dataclasses.replace(Params(), reward=dataclasses.replace(Params().reward, train=True))
+    params = Params().model_copy(update={"reward": Params().reward.model_copy(update={"train": True})})
     with pytest.raises(ModelError, match=r"^reward.train is true but models/reward holds no trained model"):
         make_reward_scorer(params, "cpu")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import os
@@ -26,12 +25,13 @@ CPU = torch.device("cpu")
 
 def tiny_params(tokenizer_dir: Path, **sft_overrides: object) -> Params:
     p = Params()
-    s = dataclasses.replace(p.sft, enabled=True, n_layer=2, n_embd=32, n_head=2, n_positions=64, block_size=32,
-                            batch_size=8, max_tokens=8 * 32 * 60, learning_rate=3e-3, warmup_steps=5,
-                            checkpoint_every=0, **sft_overrides)  # unit tests write no checkpoints
-    r = dataclasses.replace(p.reward, train=True, batch_size=16, learning_rate=1e-3, epochs=3, max_length=32,
-                            checkpoint_every=0)
-    return dataclasses.replace(p, model=dataclasses.replace(p.model, tokenizer=str(tokenizer_dir)), sft=s, reward=r)
+    s = p.sft.model_copy(update=dict(enabled=True, n_layer=2, n_embd=32, n_head=2, n_positions=64, block_size=32,
+                                     batch_size=8, max_tokens=8 * 32 * 60, learning_rate=3e-3, warmup_steps=5,
+                                     checkpoint_every=0, **sft_overrides))  # unit tests write no checkpoints
+    r = p.reward.model_copy(update=dict(train=True, batch_size=16, learning_rate=1e-3, epochs=3, max_length=32,
+                                        checkpoint_every=0))
+    return p.model_copy(update=dict(model=p.model.model_copy(update={"tokenizer": str(tokenizer_dir)}), sft=s,
+                                     reward=r))
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +78,24 @@ def test_sft_loss_goes_down_and_reloads(tokenizer_dir: Path, imdb_dir: Path, tok
     assert torch.equal(lm(blocks[:2]).logits, again(blocks[:2]).logits)
 
 
+def raw_params(**sections: dict) -> dict:
+    """Every key at its default (params.yaml must be complete), with ``sections``' keys changed."""
+    raw = Params().model_dump()
+    for name, changes in sections.items():
+        raw[name].update(changes)
+    return raw
+
+
 def test_scratch_config_must_fit_n_positions(tokenizer_dir: Path) -> None:
-    raw = {"sft": {"enabled": True, "block_size": 512, "n_positions": 256}, "model": {"tokenizer": str(tokenizer_dir)}}
+    raw = raw_params(sft={"enabled": True, "block_size": 512, "n_positions": 256},
+                     model={"tokenizer": str(tokenizer_dir)})
     with pytest.raises(ParamsError, match=r"sft.block_size: must be <= sft.n_positions \(256\) \(got 512\)"):
         parse_params(raw)
 
 
 def test_missing_sft_base_is_named(tmp_path: Path) -> None:
     with pytest.raises(ParamsError, match=r"^params.yaml: sft.base: local path does not exist"):
-        parse_params({"sft": {"enabled": True, "base": str(tmp_path / "nope")}})
+        parse_params(raw_params(sft={"enabled": True, "base": str(tmp_path / "nope")}))
 
 
 def signal_pairs(n: int, seed: int) -> pd.DataFrame:
@@ -103,7 +112,8 @@ def signal_pairs(n: int, seed: int) -> pd.DataFrame:
 @pytest.mark.parametrize("margin", [False, True])
 def test_reward_model_learns_an_obvious_signal(tokenizer_dir: Path, tmp_path: Path, margin: bool) -> None:
     params = tiny_params(tokenizer_dir)
-    params = dataclasses.replace(params, reward=dataclasses.replace(params.reward, base="scratch", margin=margin))
+    params = params.model_copy(update={"reward": params.reward.model_copy(update={"base": "scratch",
+                                                                                  "margin": margin})})
     torch.manual_seed(0)
     model, tok = reward_model.build(params)
     result = reward_model.train(model, tok, signal_pairs(320, 0), params, CPU, torch.Generator().manual_seed(0))
@@ -158,8 +168,8 @@ def test_bad_pairs(tmp_path: Path, frame: pd.DataFrame, message: str) -> None:
 def test_missing_reward_base_is_named(tmp_path: Path, tokenizer_dir: Path) -> None:
     params = tiny_params(tokenizer_dir)
     bad = str(tmp_path / "no-such-model")
-    params = dataclasses.replace(params, reward=dataclasses.replace(params.reward, base=bad),
-                                 model=dataclasses.replace(params.model, tokenizer=None))
+    params = params.model_copy(update={"reward": params.reward.model_copy(update={"base": bad}),
+                                       "model": params.model.model_copy(update={"tokenizer": None})})
     with pytest.raises(ModelError, match=rf"^reward.base: {bad}: no such directory"):
         reward_model.build(params)
 

@@ -6,7 +6,6 @@ These are the tests that catch a sign error or a mask off by one: each asserts a
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -50,7 +49,7 @@ def make_trainer(tiny_gpt2_dir: Path, scorer_cls=TokenShareScorer, **overrides: 
     torch.manual_seed(0)
     settings = dict(batch_size=16, mini_batch_size=8, ppo_epochs=4, learning_rate=3e-3, adap_kl_ctrl=False,
                     init_kl_coef=0.01, response_min_tokens=4, response_max_tokens=8)
-    cfg = dataclasses.replace(PpoParams(), **(settings | overrides))
+    cfg = PpoParams().model_copy(update=settings | overrides)
     tokenizer = load_tokenizer(str(tiny_gpt2_dir), ModelParams())
     lm = load_causal_lm(str(tiny_gpt2_dir), ModelParams())
     ref = load_causal_lm(str(tiny_gpt2_dir), ModelParams())

@@ -3,7 +3,7 @@ code path (stages.core.rollout), scoring, sequence KL, fluency, diversity, the f
 
 Runs are named after the model that sampled them: ``reference`` (the initial policy, "before") and ``policy`` (the
 PPO policy, "after"), plus ``reference_greedy`` / ``policy_greedy`` when evaluate.greedy is on. Scorers are the
-training reward (named ``reward``) and the judges of evaluate.judges, named by ``scorers.judge_name``: ``vader``,
+training reward (named ``reward``) and the judges of evaluate.judges, named by ``params.judge_name``: ``vader``,
 or a model id/dir's last path component with every run of characters outside [A-Za-z0-9_-] replaced by ``_``
 ("lvwerra/distilbert-imdb" -> "distilbert-imdb", "models/my.clf/" -> "my_clf").
 """
@@ -19,11 +19,10 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from stages.core.errors import ParamsError
 from stages.core.params import Params
 from stages.core.ppo import kl_penalty, logprobs_from_logits
 from stages.core.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
-from stages.core.scorers import Scorer, judge_name
+from stages.core.scorers import Scorer
 
 REWARD = "reward"
 VADER = "vader"
@@ -36,19 +35,6 @@ GREEDY = SamplingParams(top_k=1, top_p=1.0, temperature=1.0)
 SIDES = {"reference": "before", "policy": "after",
          "reference_greedy": "before_greedy", "policy_greedy": "after_greedy"}
 """Run name (metrics keys) -> column suffix in samples.parquet."""
-
-
-def judge_names(specs: Sequence[str]) -> list[str]:
-    """Names for evaluate.judges; two judges with the same name would overwrite each other's metrics."""
-    names: list[str] = []
-    for i, spec in enumerate(specs):
-        name = judge_name(spec)
-        if name in names:
-            j = names.index(name)
-            raise ParamsError(f"params.yaml: evaluate.judges[{i}]: judge name {name!r} repeats evaluate.judges[{j}] "
-                              f"(names are the model's basename; list each judge once)")
-        names.append(name)
-    return names
 
 
 def positive_threshold(scorer: str) -> float:

@@ -19,7 +19,7 @@ from stages.core import checkpoint
 from stages.core.errors import DataError, ModelError, TrainingError
 from stages.core.io import atomic_path, remove_outputs, seed_everything
 from stages.core.modeling import check_vocab_match, context_size, initial_policy, load_causal_lm, load_tokenizer
-from stages.core.params import Params
+from stages.core.params import Params, stage_params
 from stages.core.policy import PolicyWithValueHead, disable_dropout
 from stages.core.rollout_log import RolloutWriter, experience_rows
 from stages.core.scorers import Scorer, make_reward_scorer, reward_model_path
@@ -150,10 +150,7 @@ def run_fingerprint(params: Params, processes: int) -> str:
     """What determines a PPO run: the params the stage reads, its input files, the number of processes."""
     # nan_policy is left out: a run under "stop" has met no NaN before its last checkpoint, so after a NaN stop,
     # switching to "skip" resumes from that checkpoint instead of step 0
-    ppo = dataclasses.asdict(params.ppo) | {"nan_policy": None}
-    config = {"seed": params.seed, "model": dataclasses.asdict(params.model), "sft.enabled": params.sft.enabled,
-              "reward.train": params.reward.train, "reward.model": params.reward.model,
-              "reward.positive_label": params.reward.positive_label, "ppo": ppo, "processes": processes}
+    config = stage_params(params, "ppo", exclude=("ppo.nan_policy",)) | {"processes": processes}
     policy, tokenizer, _ = initial_policy(params)
     return checkpoint.fingerprint(config, [PROMPTS, policy, tokenizer, reward_model_path(params)[0]])
 

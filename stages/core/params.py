@@ -1,39 +1,80 @@
 """params.yaml -> typed, validated, frozen configs: the only config source of the pipeline.
 
-Every stage calls ``load_params()`` first, before any data or model is loaded. An unknown key, a value of the wrong
-type or an impossible value raises ``ParamsError`` with one line that names the dotted key and the rule.
+Each key is declared once below, with its type, default, constraint and doc. Every stage calls ``load_params()``
+first, before any data or model is loaded. A missing or unknown key, a value of the wrong type or an impossible value
+raises ``ParamsError`` with one line that names the dotted key and the rule. Which keys each stage reads is declared
+once too, in ``STAGE_PARAMS`` (dvc.yaml's ``params:`` lists, the checkpoint fingerprints and ``--help`` follow it).
 Overrides go through DVC (``dvc exp run -S ppo.learning_rate=1e-5``), not through a CLI layer.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
+import re
+import textwrap
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
+import annotated_types
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic.fields import FieldInfo
+from ruamel.yaml import YAML, YAMLError
 
 from stages.core.errors import ParamsError
 
 PARAMS_FILE = "params.yaml"
 
 
-@dataclass(frozen=True)
-class DataParams:
-    source: str = "stanfordnlp/imdb"
+class Rule(ValueError):
+    """A broken rule, raised inside validation and reported as ``params.yaml: <key>: <rule> (got <value>)``; ``key``
+    is relative to the model that raises it ('' for the field being validated)."""
+
+    def __init__(self, key: str, rule: str, value: Any) -> None:
+        super().__init__(rule)
+        self.key, self.rule, self.value = key, rule, value
+
+
+def is_local(path: str) -> bool:
+    """A value that can only mean a local path: relative/absolute path syntax rather than a Hub 'org/name' id."""
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or path.endswith((".parquet", ".csv", ".jsonl"))
+
+
+def _exists_if_local(value: str, info: ValidationInfo) -> str:
+    """A value written like a local path must exist under the params file's folder (a Hub id cannot be checked
+    offline, and is not). Checked only when validating a params file (``parse_params`` gives the root)."""
+    root = (info.context or {}).get("root")
+    if root is not None and is_local(value) and not (Path(root) / Path(value).expanduser()).exists():
+        raise Rule("", "local path does not exist", value)
+    return value
+
+
+PathOrId = Annotated[str, AfterValidator(_exists_if_local)]
+"""A Hub id or a local path; a local one must exist."""
+
+
+def judge_name(spec: str) -> str:
+    """A stable, DVC-friendly metrics name for a scorer: 'vader', or the model's last path component, sanitized."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", Path(spec.rstrip("/")).name) or "model"
+
+
+class Section(BaseModel):
+    # strict: a string is never a number and a bool never an int (an int is still accepted for a float)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
+
+
+class DataParams(Section):
+    source: PathOrId = "stanfordnlp/imdb"
     """Hub dataset id, a local folder of Parquet splits, a CSV file, or an extracted aclImdb/ folder."""
     revision: str | None = None
     """Hub dataset revision (branch, tag or commit) to pin; ignored for local sources."""
 
 
-@dataclass(frozen=True)
-class ModelParams:
-    policy: str = "lvwerra/gpt2-imdb"
+class ModelParams(Section):
+    policy: PathOrId = "lvwerra/gpt2-imdb"
     """Initial policy and frozen reference (Hub id or local dir), used when sft.enabled is false."""
-    tokenizer: str | None = None
+    tokenizer: PathOrId | None = None
     """Tokenizer (Hub id or local dir); null means the policy's own."""
     revision: str | None = None
     """Hub revision pinned for every model and tokenizer loaded by id; ignored for local dirs."""
@@ -46,157 +87,241 @@ class ModelParams:
     on CPUs with native bf16 matmuls (AMX / AVX-512 BF16), fp32 elsewhere."""
 
 
-@dataclass(frozen=True)
-class PrepareParams:
-    min_review_chars: int = 200
+def _at_most(model: BaseModel, key: str, limit: str, section: str) -> None:
+    if getattr(model, key) > getattr(model, limit):
+        raise Rule(key, f"must be <= {section}.{limit} ({getattr(model, limit)})", getattr(model, key))
+
+
+class PrepareParams(Section):
+    min_review_chars: int = Field(200, ge=0)
     """Keep reviews with more than this many characters (the classic recipe's len(text) > 200)."""
-    prompt_min_tokens: int = 2
+    prompt_min_tokens: int = Field(2, gt=0)
     """Shortest prompt prefix, in tokens."""
-    prompt_max_tokens: int = 8
+    prompt_max_tokens: int = Field(8, gt=0)
     """Longest prompt prefix, in tokens; each review's length is drawn uniformly from [min, max]."""
-    train_prompts: int | None = None
+    train_prompts: int | None = Field(None, gt=0)
     """Cap on the number of train prompts; null keeps every review that passes the filter."""
-    eval_prompts: int = 512
+    eval_prompts: int = Field(512, gt=0)
     """Number of held-out prompts drawn from the test split."""
-    pairs_source: str = "imdb"
+    pairs_source: PathOrId = "imdb"
     """'imdb' to build chosen/rejected pairs from the data source, or a local Parquet/JSONL with those columns."""
     pairs_by_rating: bool = False
     """Pair a higher star rating with a lower one (any two ratings) instead of a positive with a negative review."""
-    pair_min_tokens: int = 8
+    pair_min_tokens: int = Field(8, gt=0)
     """Shortest chosen/rejected snippet, in tokens."""
-    pair_max_tokens: int = 32
+    pair_max_tokens: int = Field(32, gt=0)
     """Longest chosen/rejected snippet, in tokens."""
-    train_pairs: int = 12500
+    train_pairs: int = Field(12500, gt=0)
     """Number of training pairs (from the train split)."""
-    test_pairs: int = 2000
+    test_pairs: int = Field(2000, gt=0)
     """Number of held-out pairs (from the test split only)."""
 
+    @model_validator(mode="after")
+    def _rules(self) -> PrepareParams:
+        _at_most(self, "prompt_min_tokens", "prompt_max_tokens", "prepare")
+        _at_most(self, "pair_min_tokens", "pair_max_tokens", "prepare")
+        source = self.pairs_source
+        if source != "imdb" and not (is_local(source) or Path(source).suffix in (".parquet", ".jsonl")):
+            raise Rule("pairs_source", "must be 'imdb' or a local .parquet/.jsonl file", source)
+        return self
 
-@dataclass(frozen=True)
-class SftParams:
+
+class SftParams(Section):
     enabled: bool = False
     """Train the policy here; ppo and evaluate then use models/sft as policy and reference instead of model.policy."""
-    base: str = "scratch"
+    base: PathOrId = "scratch"
     """'scratch' (a GPT-2 config from the keys below), a Hub id or a local dir to fine-tune."""
-    n_layer: int = 6
-    n_embd: int = 384
-    n_head: int = 6
-    n_positions: int = 256
+    n_layer: int = Field(6, gt=0)
+    """Transformer blocks of a from-scratch model."""
+    n_embd: int = Field(384, gt=0)
+    """Width of a from-scratch model (a multiple of n_head)."""
+    n_head: int = Field(6, gt=0)
+    """Attention heads of a from-scratch model."""
+    n_positions: int = Field(256, gt=0)
     """Context length of a from-scratch model; must hold block_size and prompt + response lengths."""
-    dropout: float = 0.0
-    max_tokens: int = 2_000_000
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout of a from-scratch model (residual, embedding and attention)."""
+    max_tokens: int = Field(2_000_000, gt=0)
     """Training budget in tokens (steps = max_tokens // (batch_size * block_size))."""
-    block_size: int = 128
+    block_size: int = Field(128, gt=0)
     """Tokens per packed training block (reviews joined with EOS)."""
-    batch_size: int = 32
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 6e-4
-    weight_decay: float = 0.1
-    warmup_steps: int = 100
-    splits: list[str] = field(default_factory=lambda: ["train", "unsupervised"])
+    batch_size: int = Field(32, gt=0)
+    """Blocks per micro-batch."""
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    """Micro-batches per optimizer step."""
+    learning_rate: float = Field(6e-4, gt=0)
+    """Peak AdamW learning rate (warmup, then cosine decay)."""
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW weight decay of the matrices (biases and norms: none)."""
+    warmup_steps: int = Field(100, ge=0)
+    """Linear warmup steps (at most half of the steps)."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient-norm clip of each optimizer step."""
+    splits: list[str] = Field(["train", "unsupervised"], min_length=1)
     """Data-source splits to train on (never 'test': that is where perplexity is measured)."""
-    eval_reviews: int = 500
+    eval_reviews: int = Field(500, gt=0)
     """Test-split reviews used for held-out perplexity."""
-    checkpoint_every: int | None = 50
+    checkpoint_every: int | None = Field(50, ge=0)
     """Optimizer steps per resumable checkpoint in data/checkpoints/sft/ (a rerun after a kill resumes from the
     newest); 0 or null: off."""
 
+    @model_validator(mode="after")
+    def _rules(self) -> SftParams:
+        if self.n_embd % self.n_head:
+            raise Rule("n_embd", f"must be divisible by sft.n_head ({self.n_head})", self.n_embd)
+        if self.base == "scratch":
+            _at_most(self, "block_size", "n_positions", "sft")
+        if "test" in self.splits:
+            raise Rule("splits", "must not contain 'test' (held out for perplexity)", self.splits)
+        return self
 
-@dataclass(frozen=True)
-class RewardParams:
+
+class RewardParams(Section):
     train: bool = False
     """Train a preference reward model here; otherwise reward.model scores the responses."""
-    base: str = "sft"
+    base: PathOrId = "sft"
     """Initialisation when training: 'sft' (models/sft), 'scratch' (the sft.* shape) or a Hub id / local dir."""
-    model: str = "lvwerra/distilbert-imdb"
+    model: PathOrId = "lvwerra/distilbert-imdb"
     """Sentiment classifier whose positive logit is the reward when reward.train is false (Hub id or local dir)."""
     positive_label: str = "POSITIVE"
     """Label name of the positive class in reward.model's config (falls back to index 1 when absent)."""
-    epochs: int = 1
-    learning_rate: float = 5e-5
-    batch_size: int = 32
-    max_length: int = 64
+    epochs: int = Field(1, gt=0)
+    """Shuffled passes over the training pairs."""
+    learning_rate: float = Field(5e-5, gt=0)
+    """Peak AdamW learning rate (warmup, then cosine decay)."""
+    batch_size: int = Field(32, gt=0)
+    """Pairs per optimizer step."""
+    max_length: int = Field(64, gt=0)
     """Token cap for a chosen/rejected text."""
     margin: bool = False
     """Subtract a rating-difference margin inside the Bradley-Terry loss (needs ratings in the pairs)."""
-    center_coef: float = 0.01
+    center_coef: float = Field(0.01, ge=0)
     """Weight of mean((r_chosen + r_rejected)^2) in the loss: keeps scores centred on 0, so 'score > 0' reads as
     'more positive than the average snippet' (Eisenstein et al. 2023; TRL's center_rewards_coefficient)."""
-    checkpoint_every: int | None = 100
+    warmup_steps: int = Field(40, ge=0)
+    """Linear warmup steps (at most half of the steps)."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient-norm clip of each optimizer step."""
+    checkpoint_every: int | None = Field(100, ge=0)
     """Optimizer steps per resumable checkpoint in data/checkpoints/reward/ (a rerun after a kill resumes from the
     newest); 0 or null: off."""
 
 
-@dataclass(frozen=True)
-class PpoParams:
-    steps: int = 194
+class PpoParams(Section):
+    steps: int = Field(194, gt=0)
     """PPO iterations; each samples batch_size prompts (194 x 128 is one pass over the 24,895 train prompts)."""
-    learning_rate: float = 1.41e-5
-    batch_size: int = 128
-    mini_batch_size: int = 128
-    gradient_accumulation_steps: int = 1
-    ppo_epochs: int = 4
-    init_kl_coef: float = 0.2
+    learning_rate: float = Field(1.41e-5, gt=0)
+    """AdamW learning rate of the policy (and value head)."""
+    batch_size: int = Field(128, gt=0)
+    """Prompts sampled per iteration (per process)."""
+    mini_batch_size: int = Field(128, gt=0)
+    """Samples per forward/backward pass of the update."""
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    """Mini-batches per optimizer step."""
+    ppo_epochs: int = Field(4, gt=0)
+    """Passes of the update over each batch."""
+    init_kl_coef: float = Field(0.2, ge=0)
+    """Initial (or, with adap_kl_ctrl false, fixed) coefficient of the KL penalty in the reward."""
     adap_kl_ctrl: bool = True
-    target: float = 6.0
+    """Adapt the KL coefficient towards target (Ziegler et al. 2019)."""
+    target: float = Field(6.0, ge=0)
     """Adaptive KL controller's target KL (nats per sequence)."""
-    horizon: float = 10000.0
-    gamma: float = 1.0
-    lam: float = 0.95
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
+    horizon: float = Field(10000.0, gt=0)
+    """Adaptive KL controller's horizon, in samples."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of GAE."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """Lambda of GAE."""
+    cliprange: float = Field(0.2, gt=0)
+    """Clip range of the policy ratio."""
+    cliprange_value: float = Field(0.2, gt=0)
+    """Clip range of the value prediction around its rollout value."""
+    vf_coef: float = Field(0.1, ge=0)
+    """Weight of the value loss."""
     kl_penalty: Literal["kl", "abs", "mse", "full", "k3"] = "kl"
     """Per-token KL estimate in the reward: kl (k1, log-ratio), abs, mse (k2), k3, or full (exact over the vocab)."""
     whiten_rewards: bool = False
-    ratio_threshold: float = 10.0
+    """Whiten the per-token rewards before GAE."""
+    ratio_threshold: float = Field(10.0, gt=0)
     """Skip a mini-batch's update when its mean probability ratio exceeds this."""
-    max_grad_norm: float | None = None
+    max_grad_norm: float | None = Field(None, gt=0)
+    """Gradient-norm clip of each optimizer step (null: no clipping; the norm is still logged)."""
     use_score_scaling: bool = False
+    """Divide scores by their running standard deviation."""
     use_score_norm: bool = False
-    score_clip: float | None = None
-    missing_eos_penalty: float | None = None
+    """With use_score_scaling, also subtract their running mean."""
+    score_clip: float | None = Field(None, gt=0)
+    """Clip the (scaled) scores to [-score_clip, score_clip] (null: off)."""
+    missing_eos_penalty: float | None = Field(None, ge=0)
     """Subtracted from the score of a response that has no EOS token (null: off)."""
-    response_min_tokens: int = 4
-    response_max_tokens: int = 16
-    top_k: int = 0
-    top_p: float = 1.0
-    temperature: float = 1.0
+    response_min_tokens: int = Field(4, gt=0)
+    """Shortest response; each prompt's length is drawn uniformly from [min, max]."""
+    response_max_tokens: int = Field(16, gt=0)
+    """Longest response, in tokens."""
+    top_k: int = Field(0, ge=0)
+    """Sampling: keep the k most likely tokens (0: all)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Sampling: nucleus probability mass (1: all)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (log-probabilities are taken at the same temperature)."""
     disable_dropout: bool = True
+    """Switch dropout off in the policy and the reference."""
     value_model: Literal["shared", "separate"] = "shared"
     """'shared': a value head on the policy's backbone; 'separate': a critic model initialised from the policy."""
-    checkpoint_every: int | None = 10
+    checkpoint_every: int | None = Field(10, ge=0)
     """Steps per rollout-log file and per resumable checkpoint in data/checkpoints/ppo/ (kept outside DVC's outputs,
     keyed by a fingerprint of the run; a rerun after a kill resumes from the newest). 0 or null: no checkpoints,
     rollout files of 10 steps."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/inf score, loss or gradient: stop with a message, or skip the batch and count it."""
 
+    @model_validator(mode="after")
+    def _rules(self) -> PpoParams:
+        _at_most(self, "response_min_tokens", "response_max_tokens", "ppo")
+        step = self.mini_batch_size * self.gradient_accumulation_steps
+        if self.batch_size % step:
+            raise Rule("batch_size", f"must be a multiple of ppo.mini_batch_size x ppo.gradient_accumulation_steps "
+                                     f"({step})", self.batch_size)
+        return self
 
-@dataclass(frozen=True)
-class EvaluateParams:
-    judges: list[str] = field(default_factory=lambda: ["vader"])
+
+class EvaluateParams(Section):
+    judges: list[PathOrId] = ["vader"]
     """Extra scorers: 'vader' (lexicon, no download) or any sentiment classifier (Hub id or local dir); metrics keys
     judge.<name>.* use 'vader' or the model's last path component, sanitized ('lvwerra/distilbert-imdb' ->
     'distilbert-imdb')."""
     greedy: bool = False
     """Also run a greedy-decoding pass of both models and report its scores (keys policy_greedy.*, ...)."""
-    batch_size: int = 64
+    batch_size: int = Field(64, gt=0)
     """Prompts per generate/score/forward batch."""
-    examples: int = 12
+    examples: int = Field(12, ge=0)
     """Before/after examples in the Markdown report."""
 
+    @property
+    def judge_names(self) -> list[str]:
+        """The metrics name of each judge, in order (unique: validation refuses two judges with one name)."""
+        return [judge_name(spec) for spec in self.judges]
 
-@dataclass(frozen=True)
-class Params:
-    seed: int = 0
-    data: DataParams = field(default_factory=DataParams)
-    model: ModelParams = field(default_factory=ModelParams)
-    prepare: PrepareParams = field(default_factory=PrepareParams)
-    sft: SftParams = field(default_factory=SftParams)
-    reward: RewardParams = field(default_factory=RewardParams)
-    ppo: PpoParams = field(default_factory=PpoParams)
-    evaluate: EvaluateParams = field(default_factory=EvaluateParams)
+    @model_validator(mode="after")
+    def _rules(self) -> EvaluateParams:
+        names = self.judge_names
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise Rule(f"judges[{i}]", f"judge name {name!r} repeats evaluate.judges[{names.index(name)}] (names "
+                                           "are the model's basename; list each judge once)", self.judges[i])
+        return self
+
+
+class Params(Section):
+    seed: int = Field(0, ge=0)
+    """Seed of every random generator (each output derives its own from it)."""
+    data: DataParams = DataParams()
+    model: ModelParams = ModelParams()
+    prepare: PrepareParams = PrepareParams()
+    sft: SftParams = SftParams()
+    reward: RewardParams = RewardParams()
+    ppo: PpoParams = PpoParams()
+    evaluate: EvaluateParams = EvaluateParams()
 
     @property
     def tokenizer_path(self) -> str:
@@ -207,188 +332,203 @@ class Params:
             return self.sft.base
         return self.model.policy
 
+    @model_validator(mode="after")
+    def _rules(self) -> Params:
+        r, s = self.reward, self.sft
+        if r.train and r.base == "sft" and not s.enabled:
+            raise Rule("reward.base", "is 'sft' but sft.enabled is false (enable sft or name another base)", r.base)
+        longest = self.prepare.prompt_max_tokens + self.ppo.response_max_tokens
+        if s.enabled and s.base == "scratch" and longest > s.n_positions:
+            raise Rule("ppo.response_max_tokens", f"prompt_max_tokens + response_max_tokens ({longest}) must fit "
+                                                  f"sft.n_positions ({s.n_positions})", self.ppo.response_max_tokens)
+        return self
+
 
 # ---------------------------------------------------------------------------------------------------------------------
-# validation
+# which params each stage reads: dotted keys, or a section name for all of its keys
+
+STAGE_PARAMS: dict[str, tuple[str, ...]] = {
+    "prepare": ("seed", "data.source", "data.revision", "model.policy", "model.tokenizer", "model.revision",
+                "model.trust_remote_code", "sft.enabled", "sft.base", "prepare"),
+    "sft": ("seed", "data", "model", "sft"),
+    # sft.base: the tokenizer of a from-scratch reward model (params.tokenizer_path)
+    "reward": ("seed", "model", "sft.enabled", "sft.base", "sft.n_layer", "sft.n_embd", "sft.n_head",
+               "sft.n_positions", "reward.train", "reward.base", "reward.epochs", "reward.learning_rate",
+               "reward.batch_size", "reward.max_length", "reward.margin", "reward.center_coef",
+               "reward.warmup_steps", "reward.max_grad_norm", "reward.checkpoint_every"),
+    # prompt_max_tokens: ppo checks that the longest prompt plus response fits the policy's positions
+    "ppo": ("seed", "model", "sft.enabled", "prepare.prompt_max_tokens", "reward.train", "reward.model",
+            "reward.positive_label", "ppo"),
+    "evaluate": ("seed", "model.policy", "model.tokenizer", "model.revision", "model.trust_remote_code",
+                 "model.allow_pickle", "sft.enabled", "reward.train", "reward.model", "reward.positive_label",
+                 "ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature",
+                 "evaluate"),
+}
+"""What each stage reads, the one list behind dvc.yaml's ``params:`` (a test compares them), the checkpoint
+fingerprints (``stage_params``) and each stage's ``--help``."""
 
 
-def _fail(key: str, rule: str, value: Any) -> typing.NoReturn:
-    raise ParamsError(f"params.yaml: {key}: {rule} (got {value!r})")
+def _section(field: FieldInfo) -> type[Section] | None:
+    tp = field.annotation
+    return tp if isinstance(tp, type) and issubclass(tp, Section) else None
 
 
-def _check_type(key: str, tp: Any, value: Any) -> Any:
-    """Return ``value`` coerced to ``tp`` (int -> float only), or fail naming the key and the expected type."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _check_type(key, inner, value)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            _fail(key, f"must be one of {', '.join(map(str, choices))}", value)
-        return value
-    if origin is list:
-        (inner,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            _fail(key, f"must be a list of {inner.__name__}", value)
-        return [_check_type(f"{key}[{i}]", inner, v) for i, v in enumerate(value)]
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            _fail(key, "must be a number", value)
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(key, "must be an integer", value)
-        return value
-    if not isinstance(value, tp):
-        _fail(key, f"must be a {tp.__name__}", value)
-    return value
+def declaration(dotted: str) -> FieldInfo:
+    """The declaration of a dotted key ('ppo.steps') or section ('ppo')."""
+    model: type[Section] = Params
+    *parents, last = dotted.split(".")
+    for name in parents:
+        model = _section(model.model_fields[name])
+    return model.model_fields[last]
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        _fail(prefix.rstrip("."), "must be a mapping", raw)
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in names:
-            raise ParamsError(f"params.yaml: {prefix}{key}: unknown key (known: {', '.join(sorted(names))})")
+def dotted_keys(model: type[Section] = Params, prefix: str = "") -> list[str]:
+    """Every leaf key, dotted, in declaration order ('seed', 'data.source', ...)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        section = _section(field)
+        keys += dotted_keys(section, f"{prefix}{name}.") if section else [prefix + name]
+    return keys
+
+
+def stage_params(params: Params, stage: str, exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """The values of the params ``stage`` reads, as {dotted key: value} (JSON-ready), minus ``exclude``."""
     values = {}
-    for name in names & raw.keys():
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            values[name] = _build(tp, raw[name], f"{prefix}{name}.")
+    for entry in STAGE_PARAMS[stage]:
+        value: Any = params
+        for name in entry.split("."):
+            value = getattr(value, name)
+        if isinstance(value, Section):
+            values |= {f"{entry}.{key}": v for key, v in value.model_dump().items()}
         else:
-            values[name] = _check_type(f"{prefix}{name}", tp, raw[name])
-    return cls(**values)
+            values[entry] = value
+    return {key: value for key, value in values.items() if key not in set(exclude)}
 
 
-def _key(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+def describe_params(stage: str) -> str:
+    """``stage``'s params, one entry each with its doc, wrapped (for ``--help``)."""
+    entries = []
+    for entry in STAGE_PARAMS[stage]:
+        field = declaration(entry)
+        section = _section(field)
+        doc = ("every key: " + ", ".join(section.model_fields) if section
+               else " ".join((field.description or "").split()))
+        entries.append(textwrap.fill(doc, 119, initial_indent=f"  {entry:<28}", subsequent_indent=" " * 30))
+    return "\n".join(entries)
 
 
-def _require(ok: bool, key: str, rule: str, value: Any) -> None:
-    if not ok:
-        _fail(key, rule, value)
+# ---------------------------------------------------------------------------------------------------------------------
+# reading and error messages
 
 
-def _positive(section: Any, prefix: str, *names: str) -> None:
-    for name in names:
-        value = getattr(section, name)
-        _require(value is None or value > 0, _key(prefix, name), "must be > 0", value)
+def _yaml() -> YAML:
+    return YAML(typ="safe")
 
 
-def _non_negative(section: Any, prefix: str, *names: str) -> None:
-    for name in names:
-        value = getattr(section, name)
-        _require(value is None or value >= 0, _key(prefix, name), "must be >= 0", value)
+def read_yaml(path: Path | str) -> Any:
+    """A YAML file as DVC reads it (DVC parses params with ruamel.yaml's safe loader and writes ``-S`` values back
+    with ruamel too): YAML 1.2, so ``1e-5``, ``5e-05``, ``3E-4``, ``.5`` and ``1_000`` are numbers, a quoted
+    ``'5e-05'`` stays a string, and ``yes``/``on`` are strings, not booleans. Every YAML the stages and the recipe
+    runner read goes through here."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: not found (run from the project root)") from None
+    try:
+        return _yaml().load(text)
+    except YAMLError as e:
+        problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        raise ParamsError(f"{path}: not valid YAML: {where}{problem or str(e).strip().splitlines()[0]}") from None
 
 
-def _in_unit_interval(section: Any, prefix: str, *names: str) -> None:
-    for name in names:
-        value = getattr(section, name)
-        _require(0.0 <= value <= 1.0, _key(prefix, name), "must be in [0, 1]", value)
+def _check_keys(raw: Any, model: type[Section], prefix: str = "") -> None:
+    """Unknown keys, then missing ones: params.yaml is DVC's cache key, so every key must be written out (a key left
+    to the code's default would change results without DVC noticing)."""
+    if not isinstance(raw, dict):
+        return  # validation names the wrong type
+    known = model.model_fields
+    for key in raw:
+        if key not in known:
+            raise ParamsError(f"params.yaml: {prefix}{key}: unknown key (known: {', '.join(sorted(known))})")
+    for name, field in known.items():
+        if name not in raw:
+            default = "a section" if _section(field) else f"default: {field.default!r}"
+            raise ParamsError(f"params.yaml: {prefix}{name}: missing (params.yaml is the DVC cache key: every key "
+                              f"must be written out; {default})")
+        if section := _section(field):
+            _check_keys(raw[name], section, f"{prefix}{name}.")
 
 
-def _is_local(path: str) -> bool:
-    """A value that can only mean a local path: relative/absolute path syntax rather than a Hub 'org/name' id."""
-    return path.startswith((".", "/", "~")) or path.count("/") > 1 or path.endswith((".parquet", ".csv", ".jsonl"))
+def _range(field: FieldInfo) -> str:
+    """'must be > 0', 'must be in [0, 1)' from a field's declared bounds."""
+    low = high = None
+    for bound in field.metadata:
+        if isinstance(bound, annotated_types.Gt | annotated_types.Ge):
+            low = ("(", bound.gt) if isinstance(bound, annotated_types.Gt) else ("[", bound.ge)
+        elif isinstance(bound, annotated_types.Lt | annotated_types.Le):
+            high = (")", bound.lt) if isinstance(bound, annotated_types.Lt) else ("]", bound.le)
+    if low and high:
+        return f"must be in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+    if low:
+        return f"must be {'>' if low[0] == '(' else '>='} {low[1]:g}"
+    return f"must be {'<' if high[0] == ')' else '<='} {high[1]:g}"
 
 
-def _existing_path(key: str, value: str | None, root: Path) -> None:
-    """A value written like a local path must exist (a Hub id cannot be checked offline, and is not)."""
-    if value is not None and _is_local(value) and not (root / Path(value).expanduser()).exists():
-        _fail(key, "local path does not exist", value)
+def _quoted_number_hint(value: Any, number: tuple[type, ...]) -> str:
+    """' (a string): write it without quotes' when ``value`` is a quoted spelling of the wanted kind of number."""
+    try:
+        unquoted = _yaml().load(value) if isinstance(value, str) else None
+    except YAMLError:
+        return ""
+    ok = isinstance(unquoted, number) and not isinstance(unquoted, bool)
+    return " (a string): write it without quotes" if ok else ""
 
 
-def _validate(p: Params, root: Path) -> None:
-    _non_negative(p, "", "seed")
+TYPE_RULES = {"int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be a bool",
+              "string_type": "must be a str", "model_type": "must be a mapping",
+              "finite_number": "must be a finite number", "too_short": "must not be empty"}
 
-    _existing_path("data.source", p.data.source, root)
-    _existing_path("model.policy", p.model.policy, root)
-    _existing_path("model.tokenizer", p.model.tokenizer, root)
 
-    pr = p.prepare
-    _non_negative(pr, "prepare", "min_review_chars")
-    _positive(pr, "prepare", "prompt_min_tokens", "prompt_max_tokens", "train_prompts", "eval_prompts",
-              "pair_min_tokens", "pair_max_tokens", "train_pairs", "test_pairs")
-    _require(pr.prompt_min_tokens <= pr.prompt_max_tokens, "prepare.prompt_min_tokens",
-             f"must be <= prepare.prompt_max_tokens ({pr.prompt_max_tokens})", pr.prompt_min_tokens)
-    _require(pr.pair_min_tokens <= pr.pair_max_tokens, "prepare.pair_min_tokens",
-             f"must be <= prepare.pair_max_tokens ({pr.pair_max_tokens})", pr.pair_min_tokens)
-    if pr.pairs_source != "imdb":
-        _require(_is_local(pr.pairs_source) or Path(pr.pairs_source).suffix in (".parquet", ".jsonl"),
-                 "prepare.pairs_source", "must be 'imdb' or a local .parquet/.jsonl file", pr.pairs_source)
-        _existing_path("prepare.pairs_source", pr.pairs_source, root)
-
-    s = p.sft
-    if s.base != "scratch":
-        _existing_path("sft.base", s.base, root)
-    _positive(s, "sft", "n_layer", "n_embd", "n_head", "n_positions", "max_tokens", "block_size", "batch_size",
-              "gradient_accumulation_steps", "learning_rate", "eval_reviews")
-    _non_negative(s, "sft", "weight_decay", "warmup_steps", "checkpoint_every")
-    _require(0.0 <= s.dropout < 1.0, "sft.dropout", "must be in [0, 1)", s.dropout)
-    _require(s.n_embd % s.n_head == 0, "sft.n_embd", f"must be divisible by sft.n_head ({s.n_head})", s.n_embd)
-    if s.base == "scratch":
-        _require(s.block_size <= s.n_positions, "sft.block_size",
-                 f"must be <= sft.n_positions ({s.n_positions})", s.block_size)
-    _require(len(s.splits) > 0, "sft.splits", "must name at least one split", s.splits)
-    _require("test" not in s.splits, "sft.splits", "must not contain 'test' (held out for perplexity)", s.splits)
-
-    r = p.reward
-    if r.base not in ("sft", "scratch"):
-        _existing_path("reward.base", r.base, root)
-    _require(not (r.train and r.base == "sft" and not s.enabled), "reward.base",
-             "is 'sft' but sft.enabled is false (enable sft or name another base)", r.base)
-    _existing_path("reward.model", r.model, root)
-    _positive(r, "reward", "epochs", "learning_rate", "batch_size", "max_length")
-    _non_negative(r, "reward", "center_coef", "checkpoint_every")
-
-    o = p.ppo
-    _positive(o, "ppo", "steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps",
-              "ppo_epochs", "horizon", "cliprange", "cliprange_value", "ratio_threshold", "max_grad_norm",
-              "score_clip", "response_min_tokens", "response_max_tokens", "temperature")
-    _non_negative(o, "ppo", "init_kl_coef", "target", "vf_coef", "top_k", "checkpoint_every", "missing_eos_penalty")
-    _in_unit_interval(o, "ppo", "gamma", "lam")
-    _require(0.0 < o.top_p <= 1.0, "ppo.top_p", "must be in (0, 1]", o.top_p)
-    _require(o.response_min_tokens <= o.response_max_tokens, "ppo.response_min_tokens",
-             f"must be <= ppo.response_max_tokens ({o.response_max_tokens})", o.response_min_tokens)
-    step = o.mini_batch_size * o.gradient_accumulation_steps
-    _require(o.batch_size % step == 0, "ppo.batch_size",
-             f"must be a multiple of ppo.mini_batch_size x ppo.gradient_accumulation_steps ({step})", o.batch_size)
-    if s.enabled and s.base == "scratch":
-        longest = pr.prompt_max_tokens + o.response_max_tokens
-        _require(longest <= s.n_positions, "ppo.response_max_tokens",
-                 f"prompt_max_tokens + response_max_tokens ({longest}) must fit sft.n_positions ({s.n_positions})",
-                 o.response_max_tokens)
-
-    e = p.evaluate
-    _positive(e, "evaluate", "batch_size")
-    _non_negative(e, "evaluate", "examples")
-    for i, judge in enumerate(e.judges):
-        if judge != "vader":
-            _existing_path(f"evaluate.judges[{i}]", judge, root)
+def _message(error: dict[str, Any]) -> str:
+    """One pydantic error as ``params.yaml: <dotted key>: <rule> (got <value>)``."""
+    loc, value, kind = error["loc"], error["input"], error["type"]
+    names = [part for part in loc if isinstance(part, str)]
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    field = declaration(".".join(names)) if names else None
+    hint = ""
+    if kind == "value_error" and isinstance(error["ctx"]["error"], Rule):
+        rule_error = error["ctx"]["error"]
+        key = ".".join(filter(None, [key, rule_error.key]))
+        rule, value = rule_error.rule, rule_error.value
+    elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        rule = _range(field)
+    elif kind == "literal_error":
+        rule = "must be one of " + ", ".join(map(str, typing.get_args(field.annotation)))
+    elif kind == "list_type":
+        (item,) = typing.get_args(field.annotation)
+        rule = f"must be a list of {typing.get_args(item)[0].__name__ if typing.get_args(item) else item.__name__}"
+    elif kind in TYPE_RULES:
+        rule = TYPE_RULES[kind]
+        if kind in ("int_type", "float_type"):
+            hint = _quoted_number_hint(value, (int,) if kind == "int_type" else (int, float))
+    else:
+        rule = error["msg"][0].lower() + error["msg"][1:]
+    return f"params.yaml: {key + ': ' if key else ''}{rule} (got {value!r}{hint})"
 
 
 def parse_params(raw: Any, root: Path | str = ".") -> Params:
     """Validate a params mapping (as read from params.yaml) into ``Params``; relative paths resolve against root."""
-    params = _build(Params, raw, "")
-    _validate(params, Path(root))
-    return params
+    raw = {} if raw is None else raw
+    _check_keys(raw, Params)
+    try:
+        return Params.model_validate(raw, context={"root": Path(root)})
+    except ValidationError as e:
+        raise ParamsError(_message(e.errors()[0])) from None
 
 
 def load_params(path: Path | str = PARAMS_FILE) -> Params:
     """Read and validate params.yaml (relative paths in it resolve against its folder)."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ParamsError(f"{path}: not found (run stages from the project root)") from None
-    except yaml.YAMLError as e:
-        raise ParamsError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
-    return parse_params(raw, path.parent)
+    return parse_params(read_yaml(path), path.parent)

@@ -6,7 +6,6 @@ minibatch go through one forward pass.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from transformers import AutoModelForSequenceClassification, GPT2Config, PreTrai
 from stages.core import checkpoint
 from stages.core.errors import DataError, TrainingError
 from stages.core.modeling import SFT_DIR, fast_activations, load_sequence_classifier, load_tokenizer
-from stages.core.params import Params
+from stages.core.params import Params, stage_params
 from stages.core.training import autocast, warmup_cosine
 
 MARGIN_PER_STAR = 0.1  # with reward.margin, chosen must beat rejected by 0.1 per star of rating difference
@@ -98,10 +97,7 @@ PAIRS_DIR = "data/pairs"
 
 def run_fingerprint(params: Params) -> str:
     """What determines a reward run: the params the stage reads (not the checkpoint interval) and its inputs."""
-    s = params.sft
-    config = {"seed": params.seed, "model": dataclasses.asdict(params.model), "sft.enabled": s.enabled,
-              "sft.shape": [s.n_layer, s.n_embd, s.n_head, s.n_positions],
-              "reward": dataclasses.asdict(params.reward) | {"checkpoint_every": None}}
+    config = stage_params(params, "reward", exclude=("reward.checkpoint_every",))
     path, tokenizer, _ = init_paths(params)
     return checkpoint.fingerprint(config, [p for p in (PAIRS_DIR, path, tokenizer) if p])  # path: None from scratch
 
@@ -145,7 +141,7 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: pd.
             if not torch.isfinite(loss):
                 raise TrainingError(f"step {len(losses)}: reward loss is NaN/inf (lower reward.learning_rate)")
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), r.max_grad_norm)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)

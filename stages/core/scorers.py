@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Protocol
 
@@ -10,7 +9,7 @@ import torch
 
 from stages.core.errors import ModelError
 from stages.core.modeling import load_sequence_classifier, load_tokenizer
-from stages.core.params import ModelParams, Params
+from stages.core.params import ModelParams, Params, judge_name
 
 REWARD_DIR = Path("models/reward")
 
@@ -86,11 +85,6 @@ class VaderScorer:
     def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
         return torch.tensor([self.analyzer.polarity_scores(q + r)["compound"]
                              for q, r in zip(queries, responses, strict=True)], dtype=torch.float32)
-
-
-def judge_name(spec: str) -> str:
-    """A stable, DVC-friendly metrics name for a scorer: 'vader', or the model's last path component, sanitized."""
-    return re.sub(r"[^A-Za-z0-9_-]+", "_", Path(spec.rstrip("/")).name) or "model"
 
 
 def make_scorer(spec: str, params: Params, device: torch.device | str, what: str) -> Scorer:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTraine
 from stages.core import checkpoint
 from stages.core.errors import DataError, ModelError, TrainingError
 from stages.core.modeling import context_size, fast_activations, load_causal_lm
-from stages.core.params import Params
+from stages.core.params import Params, stage_params
 from stages.core.training import autocast, warmup_cosine
 
 
@@ -82,9 +81,8 @@ CHECKPOINT_DIR = checkpoint.ROOT / "sft"
 
 
 def run_fingerprint(params: Params) -> str:
-    """What determines an sft run: seed, data.*, model.*, sft.* (not its checkpoint interval) and the local inputs."""
-    config = {"seed": params.seed, "data": dataclasses.asdict(params.data), "model": dataclasses.asdict(params.model),
-              "sft": dataclasses.asdict(params.sft) | {"checkpoint_every": None}}
+    """What determines an sft run: the params the stage reads (not its checkpoint interval) and the local inputs."""
+    config = stage_params(params, "sft", exclude=("sft.checkpoint_every",))
     inputs = [params.data.source, params.model.tokenizer or "", params.model.policy, params.sft.base]
     return checkpoint.fingerprint(config, [p for p in inputs if p])
 
@@ -123,7 +121,7 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
             if not torch.isfinite(loss):
                 raise TrainingError(f"step {step}: sft loss is NaN/inf (lower sft.learning_rate)")
             (loss / s.gradient_accumulation_steps).backward()
-        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), s.max_grad_norm)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)

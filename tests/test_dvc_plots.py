@@ -1,0 +1,43 @@
+"""`dvc plots show` draws each plotted file once, against a column the file has (never DVC's row-index fallback)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import dvc
+
+from stages.core.params import read_yaml
+
+
+def stage_plots(spec: dict) -> dict[str, dict]:
+    """{file: its props} of the stages' ``plots:`` entries."""
+    return {path: props for stage in spec["stages"].values() for entry in stage.get("plots", [])
+            for path, props in entry.items()}
+
+
+def test_each_plotted_file_is_drawn_once_against_its_own_x_column(project: Path) -> None:
+    spec = read_yaml(project / "dvc.yaml")
+    columns = {}  # file -> its columns, x first
+    for path, props in stage_plots(spec).items():
+        assert "x" in props and "y" in props, f"dvc.yaml: stage plot {path} needs x and y (else: the row index)"
+        columns[path] = [props["x"], props["y"]]
+    for entry in spec["plots"]:
+        ((_, plot),) = entry.items()
+        for path, fields in plot["y"].items():
+            assert path not in columns, f"{path}: a stage plot and in a top-level plot, so drawn twice"
+            columns[path] = [plot["x"], *([fields] if isinstance(fields, str) else fields)]
+
+    for path, names in columns.items():
+        target = project / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        sep = "\t" if target.suffix == ".tsv" else ","
+        rows = [names] + [[i] + [i / 2] * (len(names) - 1) for i in range(4)]
+        target.write_text("".join(sep.join(map(str, row)) + "\n" for row in rows))
+
+    shown = json.loads(dvc(project, "plots", "show", "--json").stdout)
+    assert not shown.get("errors"), shown["errors"]
+    assert set(shown["data"]) == {name for entry in spec["plots"] for name in entry} | set(stage_plots(spec))
+    for path in stage_plots(spec):
+        (render,) = shown["data"][path]
+        assert render["content"]["encoding"]["x"]["field"] == columns[path][0], path
