@@ -36,7 +36,6 @@ from stages.core.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
-ROOT = Path("data/checkpoints")
 CODE_DIR = Path(__file__).resolve().parents[1]  # the stages package
 PREFIX = "step-"
 STATE_FILE = "state.json"

@@ -20,6 +20,7 @@ from stages.core.errors import DataError, ModelError, TrainingError
 from stages.core.io import atomic_path, remove_outputs, seed_everything
 from stages.core.modeling import check_vocab_match, context_size, initial_policy, load_causal_lm, load_tokenizer
 from stages.core.params import Params
+from stages.core.paths import CHECKPOINTS_DIR, POLICY_DIR, PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS
 from stages.core.policy import PolicyWithValueHead, disable_dropout
 from stages.core.rollout_log import RolloutWriter, experience_rows
 from stages.core.scorers import Scorer, make_reward_scorer, reward_model_path
@@ -27,12 +28,10 @@ from stages.core.trainer import PPOTrainer, StepResult
 
 log = logging.getLogger("ppo")
 
-PROMPTS = Path("data/prompts/train.parquet")
-POLICY_DIR = Path("models/policy")
-ROLLOUTS_DIR = Path("data/rollouts")
-CURVES_DIR = Path("metrics/ppo")
+PROMPTS = TRAIN_PROMPTS
+CURVES_DIR = PPO_CURVES
 CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
-CHECKPOINT_DIR = checkpoint.ROOT / "ppo"
+CHECKPOINT_DIR = CHECKPOINTS_DIR / "ppo"
 
 
 @dataclass

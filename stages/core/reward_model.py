@@ -18,8 +18,9 @@ from transformers import AutoModelForSequenceClassification, GPT2Config, PreTrai
 
 from stages.core import checkpoint
 from stages.core.errors import DataError, TrainingError
-from stages.core.modeling import SFT_DIR, fast_activations, load_sequence_classifier, load_tokenizer
+from stages.core.modeling import fast_activations, load_sequence_classifier, load_tokenizer
 from stages.core.params import Params
+from stages.core.paths import CHECKPOINTS_DIR, PAIRS_DIR, SFT_DIR
 from stages.core.training import autocast, warmup_cosine
 
 MARGIN_PER_STAR = 0.1  # with reward.margin, chosen must beat rejected by 0.1 per star of rating difference
@@ -29,7 +30,7 @@ def init_paths(params: Params) -> tuple[str | None, str, str]:
     """(model to start from or None for scratch, tokenizer, params key) for reward.base."""
     r = params.reward
     if r.base == "sft":
-        return SFT_DIR, SFT_DIR, "reward.base"
+        return str(SFT_DIR), str(SFT_DIR), "reward.base"
     if r.base == "scratch":
         return None, params.tokenizer_path, "model.tokenizer"
     return r.base, params.model.tokenizer or r.base, "reward.base"
@@ -92,8 +93,7 @@ class RewardResult:
     seconds: float
 
 
-CHECKPOINT_DIR = checkpoint.ROOT / "reward"
-PAIRS_DIR = "data/pairs"
+CHECKPOINT_DIR = CHECKPOINTS_DIR / "reward"
 
 
 def run_fingerprint(params: Params) -> str:

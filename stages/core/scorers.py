@@ -11,8 +11,7 @@ import torch
 from stages.core.errors import ModelError
 from stages.core.modeling import load_sequence_classifier, load_tokenizer
 from stages.core.params import ModelParams, Params
-
-REWARD_DIR = Path("models/reward")
+from stages.core.paths import REWARD_DIR
 
 
 class Scorer(Protocol):
@@ -105,7 +104,7 @@ def reward_model_path(params: Params) -> tuple[str, str]:
     if params.reward.train:
         if not (REWARD_DIR / "config.json").exists():
             raise ModelError(f"reward.train is true but {REWARD_DIR} holds no trained model (run the reward stage)")
-        return str(REWARD_DIR), "models/reward"
+        return str(REWARD_DIR), str(REWARD_DIR)
     return params.reward.model, "reward.model"
 
 

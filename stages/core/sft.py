@@ -17,6 +17,7 @@ from stages.core import checkpoint
 from stages.core.errors import DataError, ModelError, TrainingError
 from stages.core.modeling import context_size, fast_activations, load_causal_lm
 from stages.core.params import Params
+from stages.core.paths import CHECKPOINTS_DIR
 from stages.core.training import autocast, warmup_cosine
 
 
@@ -78,7 +79,7 @@ class SftResult:
     seconds: float
 
 
-CHECKPOINT_DIR = checkpoint.ROOT / "sft"
+CHECKPOINT_DIR = CHECKPOINTS_DIR / "sft"
 
 
 def run_fingerprint(params: Params) -> str:
