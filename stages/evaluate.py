@@ -15,16 +15,16 @@ from __future__ import annotations
 import logging
 
 import pyarrow as pa
-import torch
 
 from stages.core.errors import ModelError, run_stage
 from stages.core.evaluation import REWARD, evaluate_policy, judge_names, markdown_report, score_histogram
 from stages.core.io import remove_outputs, seed_everything, write_json, write_parquet, write_text
-from stages.core.loop import check_prompts, read_prompts
 from stages.core.modeling import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
 from stages.core.params import Params, load_params
 from stages.core.paths import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_PROMPTS, EVAL_REPORT, EVAL_SAMPLES, POLICY_DIR
+from stages.core.prompts import check_prompts, read_prompts
 from stages.core.scorers import make_reward_scorer, make_scorer, reward_model_path
+from stages.core.training import pick_device
 
 log = logging.getLogger("evaluate")
 
@@ -46,7 +46,7 @@ def main() -> None:
     params = load_params()
     names = judge_names(params.evaluate.judges)
     prompts = read_prompts(EVAL_PROMPTS)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device()
     seed_everything(params.seed)
 
     # every scorer and model loads (or fails naming its key) before any sampling

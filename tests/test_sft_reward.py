@@ -5,15 +5,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 from conftest import set_params
+from helpers import run_cli, signal_pairs
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from stages.core import reward_model, sft
@@ -89,16 +87,6 @@ def test_missing_sft_base_is_named(tmp_path: Path) -> None:
         parse_params({"sft": {"enabled": True, "base": str(tmp_path / "nope")}})
 
 
-def signal_pairs(n: int, seed: int) -> pd.DataFrame:
-    """Pairs with an obvious signal: chosen texts say 'great', rejected ones 'awful'."""
-    g = torch.Generator().manual_seed(seed)
-    filler = ["the movie", "a plot", "this film was", "the actor", "it is"]
-    pick = torch.randint(len(filler), (n, 2), generator=g).tolist()
-    return pd.DataFrame({"chosen": [f"{filler[a]} great {filler[b]}" for a, b in pick],
-                         "rejected": [f"{filler[a]} awful {filler[b]}" for a, b in pick],
-                         "chosen_rating": 8, "rejected_rating": 2})
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("margin", [False, True])
 def test_reward_model_learns_an_obvious_signal(tokenizer_dir: Path, tmp_path: Path, margin: bool) -> None:
@@ -164,11 +152,6 @@ def test_missing_reward_base_is_named(tmp_path: Path, tokenizer_dir: Path) -> No
         reward_model.build(params)
 
 
-def run_stage(project: Path, name: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=project, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(project)})
-
-
 def folder_hash(path: Path) -> str:
     digest = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
@@ -178,10 +161,10 @@ def folder_hash(path: Path) -> str:
 
 def test_disabled_stages_write_a_fixed_marker(project: Path) -> None:
     for name, out in (("sft", "models/sft"), ("reward", "models/reward")):
-        assert run_stage(project, name).returncode == 0
+        assert run_cli(project, name).returncode == 0
         first = folder_hash(project / out)
         set_params(project, **{"sft.max_tokens": 12345, "reward.epochs": 7})
-        assert run_stage(project, name).returncode == 0
+        assert run_cli(project, name).returncode == 0
         assert folder_hash(project / out) == first
         switch = "sft.enabled" if name == "sft" else "reward.train"
         assert (project / out / "DISABLED").read_text().startswith(f"{switch} is false")
