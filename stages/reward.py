@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from stages.core.errors import run_stage
+from stages.core.errors import DataError, run_stage
 from stages.core.io import atomic_path, remove_outputs, seed_everything, write_json, write_text
 from stages.core.params import load_params
 from stages.core.paths import REWARD_DIR, REWARD_METRICS, REWARD_SCORES, TEST_PAIRS, TRAIN_PAIRS
@@ -43,6 +43,9 @@ def main() -> None:
     remove_outputs(REWARD_METRICS, REWARD_SCORES)
     generator = seed_everything(params.seed)
     train_pairs, test_pairs = read_pairs(TRAIN_PAIRS), read_pairs(TEST_PAIRS)
+    if len(train_pairs) < params.reward.batch_size:
+        raise DataError(f"{TRAIN_PAIRS}: {len(train_pairs)} pairs, fewer than reward.batch_size="
+                        f"{params.reward.batch_size}")
     model, tokenizer = build(params)
     device = pick_device()
     model.to(device)

@@ -21,7 +21,7 @@ from stages.core.io import atomic_path, remove_outputs, seed_everything, write_j
 from stages.core.modeling import check_vocab_match, load_tokenizer
 from stages.core.params import load_params
 from stages.core.paths import SFT_DIR, SFT_LOSS, SFT_METRICS
-from stages.core.sft import build_model, pack, perplexity, train
+from stages.core.sft import build_model, pack, perplexity, tokens_per_step, train
 from stages.core.training import pick_device, write_disabled
 
 EVAL_BATCH = 16
@@ -56,13 +56,13 @@ def main() -> None:
     with atomic_path(SFT_DIR) as tmp:
         lm.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    tail = [loss for _, loss in result.losses[-20:]]
+    tail, tokens = result.losses[-20:], len(result.losses) * tokens_per_step(s)
     write_json({"enabled": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
-                "tokens": result.tokens, "tokens_per_s": round(result.tokens / result.seconds, 1),
+                "tokens": tokens, "tokens_per_s": round(tokens / result.seconds, 1),
                 "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}, SFT_METRICS)
-    write_text("step,loss\n" + "".join(f"{step},{loss:.5f}\n" for step, loss in result.losses),
+    write_text("step,loss\n" + "".join(f"{step},{loss:.5f}\n" for step, loss in enumerate(result.losses)),
                SFT_LOSS)
-    logging.getLogger("sft").info("sft: held-out perplexity %.2f after %d tokens", ppl, result.tokens)
+    logging.getLogger("sft").info("sft: held-out perplexity %.2f after %d tokens", ppl, tokens)
 
 
 if __name__ == "__main__":

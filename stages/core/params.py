@@ -93,6 +93,9 @@ class SftParams:
     learning_rate: float = 6e-4
     weight_decay: float = 0.1
     warmup_steps: int = 100
+    """Linear warmup steps (at most half the steps), then cosine decay to 10% of learning_rate."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm before each optimizer step."""
     splits: list[str] = field(default_factory=lambda: ["train", "unsupervised"])
     """Data-source splits to train on (never 'test': that is where perplexity is measured)."""
     eval_reviews: int = 500
@@ -114,6 +117,10 @@ class RewardParams:
     """Label name of the positive class in reward.model's config (falls back to index 1 when absent)."""
     epochs: int = 1
     learning_rate: float = 5e-5
+    warmup_steps: int = 40
+    """Linear warmup steps (at most half the steps), then cosine decay to 10% of learning_rate."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm before each optimizer step."""
     batch_size: int = 32
     max_length: int = 64
     """Token cap for a chosen/rejected text."""
@@ -330,7 +337,7 @@ def _validate(p: Params, root: Path) -> None:
     if s.base != "scratch":
         _existing_path("sft.base", s.base, root)
     _positive(s, "sft", "n_layer", "n_embd", "n_head", "n_positions", "max_tokens", "block_size", "batch_size",
-              "gradient_accumulation_steps", "learning_rate", "eval_reviews")
+              "gradient_accumulation_steps", "learning_rate", "eval_reviews", "max_grad_norm")
     _non_negative(s, "sft", "weight_decay", "warmup_steps", "checkpoint_every")
     _require(0.0 <= s.dropout < 1.0, "sft.dropout", "must be in [0, 1)", s.dropout)
     _require(s.n_embd % s.n_head == 0, "sft.n_embd", f"must be divisible by sft.n_head ({s.n_head})", s.n_embd)
@@ -346,8 +353,8 @@ def _validate(p: Params, root: Path) -> None:
     _require(not (r.train and r.base == "sft" and not s.enabled), "reward.base",
              "is 'sft' but sft.enabled is false (enable sft or name another base)", r.base)
     _existing_path("reward.model", r.model, root)
-    _positive(r, "reward", "epochs", "learning_rate", "batch_size", "max_length")
-    _non_negative(r, "reward", "center_coef", "checkpoint_every")
+    _positive(r, "reward", "epochs", "learning_rate", "batch_size", "max_length", "max_grad_norm")
+    _non_negative(r, "reward", "center_coef", "checkpoint_every", "warmup_steps")
 
     o = p.ppo
     _positive(o, "ppo", "steps", "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps",
