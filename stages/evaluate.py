@@ -17,11 +17,12 @@ import logging
 import pyarrow as pa
 
 from stages.core.errors import ModelError, run_stage
-from stages.core.evaluation import REWARD, evaluate_policy, judge_names, markdown_report, score_histogram
+from stages.core.evaluation import REWARD, evaluate_policy, judge_names, markdown_report
 from stages.core.io import remove_outputs, seed_everything, write_json, write_parquet, write_text
 from stages.core.modeling import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
 from stages.core.params import Params, load_params
 from stages.core.paths import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_PROMPTS, EVAL_REPORT, EVAL_SAMPLES, POLICY_DIR
+from stages.core.plots import histogram
 from stages.core.prompts import check_prompts, read_prompts
 from stages.core.scorers import make_reward_scorer, make_scorer, reward_model_path
 from stages.core.training import pick_device
@@ -69,7 +70,8 @@ def main() -> None:
                                        params)
 
     write_parquet(pa.Table.from_pandas(samples, preserve_index=False), EVAL_SAMPLES)
-    write_text(score_histogram(samples["reward_before"], samples["reward_after"]).to_csv(index=False), EVAL_HISTOGRAM)
+    scores = {"before": samples["reward_before"].to_numpy(), "after": samples["reward_after"].to_numpy()}
+    write_text(histogram(scores, x="bin").to_csv(index=False), EVAL_HISTOGRAM)
     write_text(markdown_report(samples, metrics, list(scorers), params.evaluate.examples,
                                describe(params, len(samples))), EVAL_REPORT)
     write_json(metrics, EVAL_METRICS)

@@ -12,25 +12,13 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from stages.core.errors import DataError, run_stage
 from stages.core.io import atomic_path, remove_outputs, seed_everything, write_json, write_text
 from stages.core.params import load_params
 from stages.core.paths import REWARD_DIR, REWARD_METRICS, REWARD_SCORES, TEST_PAIRS, TRAIN_PAIRS
+from stages.core.plots import histogram
 from stages.core.reward_model import build, evaluate, read_pairs, train
 from stages.core.training import pick_device, write_disabled
-
-BINS = 20
-
-
-def histogram_csv(positive: torch.Tensor, negative: torch.Tensor) -> str:
-    lo, hi = min(positive.min(), negative.min()).item(), max(positive.max(), negative.max()).item()
-    edges = torch.linspace(lo, hi + 1e-6, BINS + 1)
-    pos, neg = (torch.histogram(x, edges).hist.int().tolist() for x in (positive, negative))
-    centres = ((edges[:-1] + edges[1:]) / 2).tolist()
-    return "score,positive,negative\n" + "".join(f"{c:.4f},{p},{n}\n" for c, p, n in zip(centres, pos, neg,
-                                                                                       strict=True))
 
 
 def main() -> None:
@@ -61,7 +49,8 @@ def main() -> None:
                "train_loss": round(sum(result.losses[-20:]) / len(result.losses[-20:]), 4),
                "pairs": len(train_pairs), "seconds": round(result.seconds, 1)}
     write_json(metrics, REWARD_METRICS)
-    write_text(histogram_csv(chosen, rejected), REWARD_SCORES)
+    write_text(histogram({"positive": chosen.numpy(), "negative": rejected.numpy()}, x="score").to_csv(index=False),
+               REWARD_SCORES)
     logging.getLogger("reward").info("reward: held-out pair accuracy %.3f", metrics["accuracy"])
 
 
