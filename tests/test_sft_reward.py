@@ -14,6 +14,7 @@ from conftest import set_params
 from helpers import run_cli, signal_pairs
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from stages import reward
 from stages.core import reward_model, sft
 from stages.core.errors import DataError, ModelError, ParamsError
 from stages.core.modeling import load_tokenizer
@@ -168,3 +169,13 @@ def test_disabled_stages_write_a_fixed_marker(project: Path) -> None:
         assert folder_hash(project / out) == first
         switch = "sft.enabled" if name == "sft" else "reward.train"
         assert (project / out / "DISABLED").read_text().startswith(f"{switch} is false")
+
+
+def test_fewer_pairs_than_a_batch_are_refused(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_params(project, **{"reward.train": True, "reward.base": "scratch", "reward.batch_size": 8})
+    (project / "data/pairs").mkdir(parents=True)
+    signal_pairs(5, 0).to_parquet(project / "data/pairs/train.parquet")
+    signal_pairs(5, 1).to_parquet(project / "data/pairs/test.parquet")
+    monkeypatch.chdir(project)
+    with pytest.raises(DataError, match=r"^data/pairs/train.parquet: 5 pairs, fewer than reward.batch_size=8$"):
+        reward.main()
