@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stages.core import checkpoint
 from stages.core.batches import Batches, ShuffledBatches
@@ -90,7 +91,8 @@ def main() -> None:
         log.info("ppo: %s", summary)
 
 
-def load_models(params: Params, device: torch.device) -> tuple[PolicyWithValueHead, torch.nn.Module, object]:
+def load_models(params: Params,
+                device: torch.device) -> tuple[PolicyWithValueHead, PreTrainedModel, PreTrainedTokenizerBase]:
     """Policy (+ value head), frozen reference and tokenizer, checked against each other and the prompt lengths."""
     path, tokenizer_path, what = initial_policy(params)
     tokenizer = load_tokenizer(tokenizer_path, params.model, what=what if path == tokenizer_path else
