@@ -21,14 +21,22 @@ from stages.core.evaluation import REWARD, evaluate_policy, judge_names, markdow
 from stages.core.io import remove_outputs, seed_everything, write_json, write_parquet, write_text
 from stages.core.modeling import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
 from stages.core.params import Params, load_params
-from stages.core.paths import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_PROMPTS, EVAL_REPORT, EVAL_SAMPLES, POLICY_DIR
+from stages.core.paths import (
+    EVAL_DIR,
+    EVAL_HISTOGRAM,
+    EVAL_METRICS,
+    EVAL_PROMPTS,
+    EVAL_REPORT,
+    EVAL_REPORT_DIR,
+    EVAL_SAMPLES,
+    POLICY_DIR,
+)
 from stages.core.plots import histogram
 from stages.core.prompts import check_prompts, read_prompts
 from stages.core.scorers import make_reward_scorer, make_scorer, reward_model_path
 from stages.core.training import pick_device
 
 log = logging.getLogger("evaluate")
-
 
 
 def describe(params: Params, n: int) -> str:
@@ -64,7 +72,7 @@ def main() -> None:
     check_vocab_match(tokenizer, reference, what)
     check_vocab_match(tokenizer, policy, str(POLICY_DIR))
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens)
-    remove_outputs(EVAL_METRICS, EVAL_SAMPLES.parent, EVAL_REPORT.parent)
+    remove_outputs(EVAL_METRICS, EVAL_DIR, EVAL_REPORT_DIR)
 
     metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts.queries, prompts.input_ids,
                                        params)
