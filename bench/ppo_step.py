@@ -59,7 +59,7 @@ def build_trainer(cfg: BenchConfig, tokenizer, device: torch.device, bf16: bool)
                     learning_rate=cfg.learning_rate, response_min_tokens=cfg.new_tokens,
                     response_max_tokens=cfg.new_tokens)
     return PPOTrainer(PolicyWithValueHead(lm).to(device), ref.to(device), tokenizer, StandInScorer(tokenizer), ppo,
-                      device, precision="bf16" if bf16 else "fp32")
+                      device, "bf16" if bf16 else "fp32")
 
 
 def main() -> None:
@@ -79,7 +79,7 @@ def main() -> None:
     for i, batch in enumerate(batches):
         row: dict[str, float] = {}
         with timed(row, "step"):
-            stats = trainer.step(batch, tokenizer.batch_decode(batch), step=i)
+            stats = trainer.step(batch, tokenizer.batch_decode(batch), step=i).stats
         row |= {phase: stats[f"time/{phase}"] for phase in PHASES}
         print(f"iter {i}{' (warm-up, not counted)' if i == 0 else ''}: {row['step']:.2f} s", flush=True)
         if i > 0:  # the first iteration pays one-time costs (allocator warm-up, lazy init)

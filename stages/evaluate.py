@@ -12,27 +12,30 @@ Writes  metrics/eval.json                     flat keys (see stages/core/evaluat
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pyarrow as pa
-import torch
 
 from stages.core.errors import ModelError, run_stage
-from stages.core.evaluation import REWARD, evaluate_policy, markdown_report, score_histogram
+from stages.core.evaluation import REWARD, evaluate_policy, markdown_report
 from stages.core.io import remove_outputs, seed_everything, write_json, write_parquet, write_text
-from stages.core.loop import check_prompts, read_prompts
 from stages.core.modeling import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
 from stages.core.params import Params, load_params
+from stages.core.paths import (
+    EVAL_DIR,
+    EVAL_HISTOGRAM,
+    EVAL_METRICS,
+    EVAL_PROMPTS,
+    EVAL_REPORT,
+    EVAL_REPORT_DIR,
+    EVAL_SAMPLES,
+    POLICY_DIR,
+)
+from stages.core.plots import histogram
+from stages.core.prompts import check_prompts, read_prompts
 from stages.core.scorers import make_reward_scorer, make_scorer, reward_model_path
+from stages.core.training import pick_device
 
 log = logging.getLogger("evaluate")
-
-PROMPTS = Path("data/prompts/eval.parquet")
-POLICY_DIR = "models/policy"
-METRICS = Path("metrics/eval.json")
-SAMPLES = Path("data/eval/samples.parquet")
-REPORT = Path("metrics/evaluate/report.md")
-HISTOGRAM = Path("metrics/evaluate/score_histogram.csv")
 
 
 def describe(params: Params, n: int) -> str:
@@ -40,8 +43,8 @@ def describe(params: Params, n: int) -> str:
     cfg = params.ppo
     judges = ", ".join(name if name == spec else f"{name} (`{spec}`)"
                        for name, spec in zip(params.evaluate.judge_names, params.evaluate.judges, strict=True))
-    return (f"{n} held-out prompts from `{PROMPTS}`. Each model answers every prompt once, with the same per-prompt "
-            f"response length ({cfg.response_min_tokens}-{cfg.response_max_tokens} tokens) and seed "
+    return (f"{n} held-out prompts from `{EVAL_PROMPTS}`. Each model answers every prompt once, with the same "
+            f"per-prompt response length ({cfg.response_min_tokens}-{cfg.response_max_tokens} tokens) and seed "
             f"({params.seed}), sampled as in training (top_k={cfg.top_k}, top_p={cfg.top_p}, "
             f"temperature={cfg.temperature}). Reward: `{reward_model_path(params)[0]}`. Judges: {judges or 'none'}.")
 
@@ -50,8 +53,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
     names = params.evaluate.judge_names
-    prompts = read_prompts(PROMPTS)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    prompts = read_prompts(EVAL_PROMPTS)
+    device = pick_device()
     seed_everything(params.seed)
 
     # every scorer and model loads (or fails naming its key) before any sampling
@@ -62,25 +65,26 @@ def main() -> None:
     tokenizer = load_tokenizer(tokenizer_path, params.model,
                                what=what if path == tokenizer_path else "model.tokenizer")
     reference = load_causal_lm(path, params.model, what=what).to(device).eval()
-    if not (Path(POLICY_DIR) / "config.json").exists():
+    if not (POLICY_DIR / "config.json").exists():
         raise ModelError(f"{POLICY_DIR}: no trained policy here (run the ppo stage)")
-    policy = load_causal_lm(POLICY_DIR, params.model, what=POLICY_DIR).to(device).eval()
+    policy = load_causal_lm(str(POLICY_DIR), params.model, what=str(POLICY_DIR)).to(device).eval()
     check_vocab_match(tokenizer, reference, what)
-    check_vocab_match(tokenizer, policy, POLICY_DIR)
-    check_prompts(PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens)
-    remove_outputs(METRICS, SAMPLES.parent, REPORT.parent)
+    check_vocab_match(tokenizer, policy, str(POLICY_DIR))
+    check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens)
+    remove_outputs(EVAL_METRICS, EVAL_DIR, EVAL_REPORT_DIR)
 
     metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts.queries, prompts.input_ids,
                                        params)
 
-    write_parquet(pa.Table.from_pandas(samples, preserve_index=False), SAMPLES)
-    write_text(score_histogram(samples["reward_before"], samples["reward_after"]).to_csv(index=False), HISTOGRAM)
+    write_parquet(pa.Table.from_pandas(samples, preserve_index=False), EVAL_SAMPLES)
+    scores = {"before": samples["reward_before"].to_numpy(), "after": samples["reward_after"].to_numpy()}
+    write_text(histogram(scores, x="bin").to_csv(index=False), EVAL_HISTOGRAM)
     write_text(markdown_report(samples, metrics, list(scorers), params.evaluate.examples,
-                               describe(params, len(samples))), REPORT)
-    write_json(metrics, METRICS)
+                               describe(params, len(samples))), EVAL_REPORT)
+    write_json(metrics, EVAL_METRICS)
     log.info("evaluate: reward %.3f -> %.3f, positive %.2f -> %.2f, KL %.3f (exact %.3f); report in %s",
              metrics["reference.reward_mean"], metrics["policy.reward_mean"], metrics["reference.positive_rate"],
-             metrics["policy.positive_rate"], metrics["kl.mean"], metrics["kl.full_mean"], REPORT)
+             metrics["policy.positive_rate"], metrics["kl.mean"], metrics["kl.full_mean"], EVAL_REPORT)
 
 
 if __name__ == "__main__":

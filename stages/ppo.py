@@ -8,26 +8,144 @@ Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM
         metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput)
         metrics/ppo.json        summary
 
+With ppo.checkpoint_every > 0 the run saves a checkpoint at every rollout-log flush and, rerun after a kill, resumes
+from the newest one (see stages/core/checkpoint.py).
+
 Multi-process: ``accelerate launch --num_processes N -m stages.ppo`` on GPUs, ``torchrun --nproc_per_node N -m
 stages.ppo`` on CPU (each process samples ppo.batch_size prompts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from typing import TYPE_CHECKING
 
-from stages.core.errors import run_stage
-from stages.core.io import write_json
-from stages.core.loop import train
-from stages.core.params import load_params
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from stages.core import checkpoint
+from stages.core.batches import Batches, ShuffledBatches
+from stages.core.errors import DataError, ModelError, run_stage
+from stages.core.io import remove_outputs, seed_everything, write_json
+from stages.core.modeling import check_vocab_match, context_size, initial_policy, load_causal_lm, load_tokenizer
+from stages.core.params import Params, load_params
+from stages.core.paths import POLICY_DIR, PPO_CURVES, PPO_METRICS, ROLLOUTS_DIR, TRAIN_PROMPTS
+from stages.core.policy import PolicyWithValueHead, disable_dropout, save_policy
+from stages.core.ppo_checkpoint import Checkpointing, find_checkpoint
+from stages.core.prompts import Prompts, check_prompts, read_prompts
+from stages.core.rollout_log import RolloutWriter, experience_rows
+from stages.core.scorers import make_reward_scorer
+from stages.core.trainer import PPOTrainer
+from stages.core.training import pick_device
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+log = logging.getLogger("ppo")
+
+CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
 
 
 def main() -> None:
+    from accelerate import Accelerator
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    summary = train(params)
-    write_json(summary, "metrics/ppo.json")
-    logging.getLogger("ppo").info("ppo: %s", summary)
+    cfg = params.ppo
+    prompts = read_prompts(TRAIN_PROMPTS)
+    if len(prompts) < cfg.batch_size:
+        raise DataError(f"{TRAIN_PROMPTS}: {len(prompts)} prompts, fewer than ppo.batch_size={cfg.batch_size}")
+    accelerator = Accelerator(cpu=pick_device().type == "cpu")
+    device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
+    seed_everything(params.seed + rank)
+    policy, ref, tokenizer = load_models(params, device)
+    check_prompts(TRAIN_PROMPTS, prompts, tokenizer, policy.lm, cfg.response_max_tokens)
+    scorer = make_reward_scorer(params, device)
+    trainer = PPOTrainer(policy, ref, tokenizer, scorer, cfg, device, params.model.precision,
+                         accelerator if accelerator.num_processes > 1 else None,
+                         length_generator=torch.Generator().manual_seed(params.seed + rank))
+    # every process draws the same permutations (one seed) and takes its own slice of each global batch
+    order = ShuffledBatches(len(prompts), cfg.batch_size, torch.Generator().manual_seed(params.seed), rank,
+                            accelerator.num_processes)
+    ckpt, found = find_checkpoint(params, policy, accelerator)
+    if is_main:
+        remove_outputs(ROLLOUTS_DIR, PPO_CURVES)
+    if found is not None:
+        ckpt.restore(found, trainer, order, accelerator)
+        log.info("ppo: resuming after step %d from %s", found.step, found.path)
+
+    start = time.perf_counter()
+    last = train(trainer, prompts, order, ckpt, found, accelerator)
+
+    if is_main:
+        save_policy(trainer.policy, tokenizer, POLICY_DIR)
+        if ckpt is not None:
+            checkpoint.clear(ckpt.folder)
+        summary = {"steps": cfg.steps, "processes": accelerator.num_processes,
+                   "seconds": round(time.perf_counter() - start, 1), "skipped_batches": trainer.skipped_batches,
+                   **{k: v for k, v in last.items() if k.startswith(("objective/", "throughput/"))}}
+        write_json(summary, PPO_METRICS)
+        log.info("ppo: %s", summary)
+
+
+def load_models(params: Params,
+                device: torch.device) -> tuple[PolicyWithValueHead, PreTrainedModel, PreTrainedTokenizerBase]:
+    """Policy (+ value head), frozen reference and tokenizer, checked against each other and the prompt lengths."""
+    path, tokenizer_path, what = initial_policy(params)
+    tokenizer = load_tokenizer(tokenizer_path, params.model, what=what if path == tokenizer_path else
+                               "model.tokenizer")
+    lm = load_causal_lm(path, params.model, what=what)
+    ref = load_causal_lm(path, params.model, what=what)
+    check_vocab_match(tokenizer, lm, "model.tokenizer")
+    longest = params.prepare.prompt_max_tokens + params.ppo.response_max_tokens
+    if longest > context_size(lm):
+        raise ModelError(f"ppo.response_max_tokens: prompt_max_tokens + response_max_tokens = {longest} exceeds "
+                         f"{what}'s {context_size(lm)} positions")
+    if params.ppo.disable_dropout:
+        disable_dropout(lm)
+        disable_dropout(ref)
+    policy = PolicyWithValueHead(lm, separate_critic=params.ppo.value_model == "separate")
+    return policy.to(device), ref.to(device), tokenizer
+
+
+def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpointing | None,
+          found: checkpoint.Checkpoint | None, accelerator: Accelerator) -> dict[str, float]:
+    """The steps after the resumed one (if any) to ppo.steps, logging rollouts and curves (main process) and
+    checkpointing at each rollout-log flush. Returns the last step's stats."""
+    from dvclive import Live
+
+    cfg, is_main = trainer.cfg, accelerator.is_main_process
+    first, last = (found.step + 1, found.state["last_stats"]) if found is not None else (0, {})
+    writer = RolloutWriter(ROLLOUTS_DIR)
+    chunk = cfg.checkpoint_every or CHUNK_STEPS
+    # only the main process writes curves: another process's Live would read them while they are being written
+    live = Live(str(PPO_CURVES), save_dvc_exp=False, dvcyaml=False, resume=found is not None) if is_main else None
+    with live or contextlib.nullcontext():
+        if live is not None and found is not None:
+            live.step = found.state["live_step"]
+        bar = tqdm(range(first, cfg.steps), desc="ppo", disable=not is_main, initial=first, total=cfg.steps)
+        for step in bar:
+            query_ids, queries = prompts.take(next(order).tolist())
+            result = trainer.step(query_ids, queries, step)
+            if not result.skipped:
+                last = result.stats
+                if is_main:
+                    writer.add(experience_rows(step, queries, result.experience, last["objective/kl_coef"]))
+                    for key, value in last.items():
+                        live.log_metric(key, value, plot=True)
+                    live.next_step()
+                bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
+            if (step + 1) % chunk == 0:
+                if is_main:
+                    writer.flush()
+                if ckpt is not None and step + 1 < cfg.steps:
+                    ckpt.save(step, trainer, order, live.step if is_main else 0, last, accelerator)
+    if is_main:
+        writer.flush()
+    return last
 
 
 if __name__ == "__main__":

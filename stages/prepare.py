@@ -22,6 +22,7 @@ from stages.core.errors import run_stage
 from stages.core.io import atomic_path, write_json
 from stages.core.modeling import load_tokenizer
 from stages.core.params import load_params
+from stages.core.paths import PAIRS_DIR, PREPARE_METRICS, PROMPTS_DIR
 from stages.core.tokenization import build_pairs, build_prompts, generator, read_pairs_file, tokenize
 
 log = logging.getLogger("prepare")
@@ -56,7 +57,7 @@ def main() -> None:
     else:
         pairs = read_pairs_file(Path(p.pairs_source), generator(params.seed, "pairs/split"))
 
-    for folder, tables in (("data/prompts", prompts), ("data/pairs", pairs)):
+    for folder, tables in ((PROMPTS_DIR, prompts), (PAIRS_DIR, pairs)):
         with atomic_path(folder) as tmp:
             tmp.mkdir()
             for name, table in tables.items():
@@ -71,7 +72,7 @@ def main() -> None:
         "prompt_tokens_mean": round(sum(n * c for n, c in lengths.items()) / lengths.total(), 3),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    write_json(metrics, "metrics/prepare.json")
+    write_json(metrics, PREPARE_METRICS)
     log.info("prepare: kept %(reviews_kept)s of %(reviews_read)s reviews; prompts %(prompts)s; pairs %(pairs)s; "
              "%(seconds).1f s", metrics)
 

@@ -11,46 +11,35 @@ Writes  models/reward/                  one-output sequence classifier + tokeniz
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-import torch
-
-from stages.core.errors import run_stage
+from stages.core.errors import DataError, run_stage
 from stages.core.io import atomic_path, remove_outputs, seed_everything, write_json, write_text
 from stages.core.params import load_params
+from stages.core.paths import REWARD_DIR, REWARD_METRICS, REWARD_SCORES, TEST_PAIRS, TRAIN_PAIRS
+from stages.core.plots import histogram
 from stages.core.reward_model import build, evaluate, read_pairs, train
 from stages.core.training import pick_device, write_disabled
-
-OUT = Path("models/reward")
-BINS = 20
-
-
-def histogram_csv(positive: torch.Tensor, negative: torch.Tensor) -> str:
-    lo, hi = min(positive.min(), negative.min()).item(), max(positive.max(), negative.max()).item()
-    edges = torch.linspace(lo, hi + 1e-6, BINS + 1)
-    pos, neg = (torch.histogram(x, edges).hist.int().tolist() for x in (positive, negative))
-    centres = ((edges[:-1] + edges[1:]) / 2).tolist()
-    return "score,positive,negative\n" + "".join(f"{c:.4f},{p},{n}\n" for c, p, n in zip(centres, pos, neg,
-                                                                                       strict=True))
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
     if not params.reward.train:
-        write_disabled(OUT, "reward.train is false: ppo and evaluate score with reward.model",
-                       {"metrics/reward.json": '{"trained": false}\n',
-                        "metrics/reward/scores.csv": "score,positive,negative\n"})
+        write_disabled(REWARD_DIR, "reward.train is false: ppo and evaluate score with reward.model",
+                       {REWARD_METRICS: '{"trained": false}\n', REWARD_SCORES: "score,positive,negative\n"})
         return
-    remove_outputs("metrics/reward.json", "metrics/reward/scores.csv")
+    remove_outputs(REWARD_METRICS, REWARD_SCORES)
     generator = seed_everything(params.seed)
-    train_pairs, test_pairs = read_pairs("data/pairs/train.parquet"), read_pairs("data/pairs/test.parquet")
+    train_pairs, test_pairs = read_pairs(TRAIN_PAIRS), read_pairs(TEST_PAIRS)
+    if len(train_pairs) < params.reward.batch_size:
+        raise DataError(f"{TRAIN_PAIRS}: {len(train_pairs)} pairs, fewer than reward.batch_size="
+                        f"{params.reward.batch_size}")
     model, tokenizer = build(params)
     device = pick_device()
     model.to(device)
     result = train(model, tokenizer, train_pairs, params, device, generator)
     chosen, rejected = evaluate(model, tokenizer, test_pairs, params.reward.max_length, device)
-    with atomic_path(OUT) as tmp:
+    with atomic_path(REWARD_DIR) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     metrics = {"trained": True, "accuracy": round((chosen > rejected).float().mean().item(), 4),
@@ -59,8 +48,9 @@ def main() -> None:
                "rejected_score_mean": round(rejected.mean().item(), 4),
                "train_loss": round(sum(result.losses[-20:]) / len(result.losses[-20:]), 4),
                "pairs": len(train_pairs), "seconds": round(result.seconds, 1)}
-    write_json(metrics, "metrics/reward.json")
-    write_text(histogram_csv(chosen, rejected), "metrics/reward/scores.csv")
+    write_json(metrics, REWARD_METRICS)
+    write_text(histogram({"positive": chosen.numpy(), "negative": rejected.numpy()}, x="score").to_csv(index=False),
+               REWARD_SCORES)
     logging.getLogger("reward").info("reward: held-out pair accuracy %.3f", metrics["accuracy"])
 
 

@@ -11,7 +11,6 @@ Writes  models/sft/           HF model (safetensors) + tokenizer + generation co
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -21,10 +20,10 @@ from stages.core.errors import run_stage
 from stages.core.io import atomic_path, remove_outputs, seed_everything, write_json, write_text
 from stages.core.modeling import check_vocab_match, load_tokenizer
 from stages.core.params import load_params
-from stages.core.sft import build_model, pack, perplexity, train
+from stages.core.paths import SFT_DIR, SFT_LOSS, SFT_METRICS
+from stages.core.sft import build_model, pack, perplexity, tokens_per_step, train
 from stages.core.training import pick_device, write_disabled
 
-OUT = Path("models/sft")
 EVAL_BATCH = 16
 
 
@@ -33,10 +32,10 @@ def main() -> None:
     params = load_params()
     s = params.sft
     if not s.enabled:
-        write_disabled(OUT, "sft.enabled is false: ppo and evaluate use model.policy",
-                       {"metrics/sft.json": '{"enabled": false}\n', "metrics/sft/loss.csv": "step,loss\n"})
+        write_disabled(SFT_DIR, "sft.enabled is false: ppo and evaluate use model.policy",
+                       {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
         return
-    remove_outputs("metrics/sft.json", "metrics/sft/loss.csv")
+    remove_outputs(SFT_METRICS, SFT_LOSS)
     generator = seed_everything(params.seed)
     tokenizer_path = params.model.tokenizer or (s.base if s.base != "scratch" else params.model.policy)
     tokenizer = load_tokenizer(tokenizer_path, params.model, what="model.tokenizer")
@@ -54,16 +53,16 @@ def main() -> None:
     lm.to(device)
     result = train(lm, blocks, params, device, generator)
     ppl = perplexity(lm, held_out, EVAL_BATCH, device)
-    with atomic_path(OUT) as tmp:
+    with atomic_path(SFT_DIR) as tmp:
         lm.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    tail = [loss for _, loss in result.losses[-20:]]
+    tail, tokens = result.losses[-20:], len(result.losses) * tokens_per_step(s)
     write_json({"enabled": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
-                "tokens": result.tokens, "tokens_per_s": round(result.tokens / result.seconds, 1),
-                "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}, "metrics/sft.json")
-    write_text("step,loss\n" + "".join(f"{step},{loss:.5f}\n" for step, loss in result.losses),
-               "metrics/sft/loss.csv")
-    logging.getLogger("sft").info("sft: held-out perplexity %.2f after %d tokens", ppl, result.tokens)
+                "tokens": tokens, "tokens_per_s": round(tokens / result.seconds, 1),
+                "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}, SFT_METRICS)
+    write_text("step,loss\n" + "".join(f"{step},{loss:.5f}\n" for step, loss in enumerate(result.losses)),
+               SFT_LOSS)
+    logging.getLogger("sft").info("sft: held-out perplexity %.2f after %d tokens", ppl, tokens)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The checkpoint module on its own (fast): fingerprints, atomic save and pruning, RNG round trips, the resumable
-prompt order, the disk-space check, and a tampered optimizer file refused."""
+"""The checkpoint module on its own (fast): fingerprints, atomic save and pruning, RNG round trips, the disk-space
+check, and a tampered optimizer file refused."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 
 from stages.core import checkpoint
 from stages.core.errors import PipelineError
-from stages.core.loop import PromptBatches, Prompts
 
 
 def test_fingerprint_follows_config_and_file_content(tmp_path: Path) -> None:
@@ -94,18 +93,6 @@ def test_rng_states_round_trip_through_json() -> None:
     checkpoint.set_rng_states(states, {"g": generator})
     assert (random.random(), np.random.rand(), torch.rand(1).item(),
             torch.rand(1, generator=generator).item()) == expected
-
-
-def test_prompt_order_resumes_where_it_stopped() -> None:
-    prompts = Prompts([[i] for i in range(10)], [str(i) for i in range(10)])
-    uninterrupted = PromptBatches(prompts, 3, 0, 1, torch.Generator().manual_seed(0))
-    expected = [next(uninterrupted)[1] for _ in range(8)]  # crosses two reshuffles
-    first = PromptBatches(prompts, 3, 0, 1, torch.Generator().manual_seed(0))
-    seen = [next(first)[1] for _ in range(5)]
-    state = json.loads(json.dumps(first.state_dict()))
-    resumed = PromptBatches(prompts, 3, 0, 1, torch.Generator().manual_seed(0))
-    resumed.load_state_dict(state)
-    assert seen + [next(resumed)[1] for _ in range(3)] == expected
 
 
 def test_too_little_disk_space_names_the_param_and_folder(tmp_path: Path) -> None:

@@ -13,9 +13,10 @@ from conftest import NEUTRAL_WORDS, POSITIVE_WORDS, ROOT, build_tiny_gpt2, set_p
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stages.core.errors import DataError, ModelError, ParamsError
+from stages.core.paths import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_PROMPTS, EVAL_REPORT, EVAL_SAMPLES, POLICY_DIR
 from stages.core.rollout import response_lengths
 from stages.core.scorers import judge_name
-from stages.evaluate import HISTOGRAM, METRICS, POLICY_DIR, PROMPTS, REPORT, SAMPLES, main
+from stages.evaluate import main
 
 N_PROMPTS = 6
 
@@ -33,9 +34,9 @@ def stage_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gpt2_dir: Pa
     })
     tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
     queries = [f"{NEUTRAL_WORDS[i].capitalize()} {POSITIVE_WORDS[i]} {NEUTRAL_WORDS[i + 1]}" for i in range(N_PROMPTS)]
-    PROMPTS.parent.mkdir(parents=True)
+    EVAL_PROMPTS.parent.mkdir(parents=True)
     pd.DataFrame({"query": queries, "input_ids": [tokenizer(q)["input_ids"] for q in queries],
-                  "review_id": [f"r{i}" for i in range(N_PROMPTS)], "label": [1] * N_PROMPTS}).to_parquet(PROMPTS)
+                  "review_id": [f"r{i}" for i in range(N_PROMPTS)], "label": [1] * N_PROMPTS}).to_parquet(EVAL_PROMPTS)
     shutil.copytree(tiny_gpt2_dir, POLICY_DIR)
     return tmp_path
 
@@ -44,7 +45,7 @@ def test_a_policy_equal_to_the_reference_samples_the_same_responses_with_zero_kl
         stage_dir: Path, tiny_classifier_dir: Path) -> None:
     main()
 
-    metrics = json.loads(METRICS.read_text())
+    metrics = json.loads(EVAL_METRICS.read_text())
     assert list(metrics) == sorted(metrics)
     clf = judge_name(str(tiny_classifier_dir))
     for key in ["policy.reward_mean", "policy.positive_rate", "reference.reward_mean", "reference.positive_rate",
@@ -53,7 +54,7 @@ def test_a_policy_equal_to_the_reference_samples_the_same_responses_with_zero_kl
         assert isinstance(metrics[key], float), key
     assert not any(key.endswith("_greedy") or "_greedy_" in key for key in metrics)
 
-    samples = pd.read_parquet(SAMPLES)
+    samples = pd.read_parquet(EVAL_SAMPLES)
     assert len(samples) == N_PROMPTS
     # same prompts, seed and per-prompt lengths: an unchanged policy answers exactly as the reference did
     assert (samples["response_before"] == samples["response_after"]).all()
@@ -63,9 +64,9 @@ def test_a_policy_equal_to_the_reference_samples_the_same_responses_with_zero_kl
     assert metrics["policy.reward_mean"] == metrics["reference.reward_mean"]
     assert metrics["fluency.ref_perplexity"] == metrics["fluency.reference_ref_perplexity"] > 1
 
-    histogram = pd.read_csv(HISTOGRAM)
+    histogram = pd.read_csv(EVAL_HISTOGRAM)
     assert histogram["before"].sum() == histogram["after"].sum() == N_PROMPTS
-    report = REPORT.read_text()
+    report = EVAL_REPORT.read_text()
     assert f"| {samples['query'][0]} | " in report and f"| {samples['query'][3]} | " not in report  # 3 examples
     assert f"| {clf} |" in report and "| vader |" in report
 
@@ -77,8 +78,8 @@ def test_a_changed_policy_has_positive_kl_and_greedy_runs_decode_greedily(
     set_params(stage_dir, **{"evaluate.greedy": True})
     main()
 
-    metrics = json.loads(METRICS.read_text())
-    samples = pd.read_parquet(SAMPLES)
+    metrics = json.loads(EVAL_METRICS.read_text())
+    samples = pd.read_parquet(EVAL_SAMPLES)
     assert metrics["kl.full_mean"] > 0 and (samples["kl_full"] > 0).all()
     assert {"policy_greedy.reward_mean", "reference_greedy.positive_rate",
             "judge.vader.policy_greedy_positive_rate"} <= set(metrics)
@@ -88,7 +89,7 @@ def test_a_changed_policy_has_positive_kl_and_greedy_runs_decode_greedily(
     lengths = response_lengths(N_PROMPTS, 2, 6, torch.Generator().manual_seed(0))
     tokenizer = AutoTokenizer.from_pretrained(POLICY_DIR)
     policy = AutoModelForCausalLM.from_pretrained(POLICY_DIR)
-    prompts = pd.read_parquet(PROMPTS)
+    prompts = pd.read_parquet(EVAL_PROMPTS)
     for i in range(N_PROMPTS):
         out = policy.generate(torch.tensor([list(prompts["input_ids"][i])]), do_sample=False,
                               max_new_tokens=lengths[i], pad_token_id=tokenizer.eos_token_id)
@@ -98,13 +99,13 @@ def test_a_changed_policy_has_positive_kl_and_greedy_runs_decode_greedily(
 
 
 def outputs_untouched() -> bool:
-    return METRICS.read_text() == "previous run" and not SAMPLES.exists() and not REPORT.exists()
+    return EVAL_METRICS.read_text() == "previous run" and not EVAL_SAMPLES.exists() and not EVAL_REPORT.exists()
 
 
 @pytest.fixture
 def previous_metrics(stage_dir: Path) -> None:
-    METRICS.parent.mkdir(parents=True, exist_ok=True)
-    METRICS.write_text("previous run")
+    EVAL_METRICS.parent.mkdir(parents=True, exist_ok=True)
+    EVAL_METRICS.write_text("previous run")
 
 
 def test_a_judge_that_cannot_load_fails_first_naming_its_key(stage_dir: Path, previous_metrics: None) -> None:
@@ -131,7 +132,7 @@ def test_two_judges_with_the_same_name_fail(stage_dir: Path, tiny_classifier_dir
 
 
 def test_missing_prompts_fail_naming_the_file(stage_dir: Path, previous_metrics: None) -> None:
-    PROMPTS.unlink()
+    EVAL_PROMPTS.unlink()
     with pytest.raises(DataError, match=r"^data/prompts/eval\.parquet: missing \(run the prepare stage first\)"):
         main()
     assert outputs_untouched()
@@ -145,9 +146,9 @@ def test_missing_policy_fails_naming_it(stage_dir: Path, previous_metrics: None)
 
 
 def test_eval_prompts_from_another_tokenizer_fail_naming_the_row(stage_dir: Path, previous_metrics: None) -> None:
-    prompts = pd.read_parquet(PROMPTS)
+    prompts = pd.read_parquet(EVAL_PROMPTS)
     prompts.at[2, "input_ids"] = [5, 9999]
-    prompts.to_parquet(PROMPTS)
+    prompts.to_parquet(EVAL_PROMPTS)
     with pytest.raises(DataError, match=r"^data/prompts/eval\.parquet: row 2: token id 9999 outside the tokenizer's "
                                         r"400 ids"):
         main()

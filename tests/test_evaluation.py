@@ -16,7 +16,6 @@ from stages.core.evaluation import (
     markdown_report,
     perplexity,
     positive_threshold,
-    score_histogram,
     score_stats,
     sequence_kl,
 )
@@ -144,15 +143,6 @@ def test_eval_metrics_keys_are_flat_and_stable() -> None:
     assert metrics["diversity.distinct2"] == pytest.approx(2 / 3) and metrics["diversity.reference_distinct2"] == 1.0
     assert metrics["fluency.ref_perplexity"] == pytest.approx(math.e)
     assert metrics["fluency.reference_ref_perplexity"] == 1.0
-
-
-def test_score_histogram_shares_bins_and_counts_every_score() -> None:
-    before, after = np.array([-2.0, -1.0, 0.0, 0.5]), np.array([0.7, 1.0, 2.0, 3.0])
-    hist = score_histogram(before, after, bins=5)
-    assert list(hist.columns) == ["bin", "before", "after"]
-    assert hist["before"].sum() == 4 and hist["after"].sum() == 4
-    assert hist["bin"].tolist() == pytest.approx([-1.5, -0.5, 0.5, 1.5, 2.5])
-    assert hist["before"].tolist() == [1, 1, 2, 0, 0] and hist["after"].tolist() == [0, 0, 1, 1, 2]
 
 
 def test_markdown_report_tables() -> None:

@@ -13,11 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import build_tiny_gpt2, set_params
-from test_ppo_stage import run
-from test_trainer import TokenShareScorer, batch, make_trainer
+from helpers import TokenShareScorer, batch, make_trainer, run
 
 from stages.core.errors import ModelError, TrainingError
-from stages.core.loop import run_step
 from stages.core.params import ModelParams
 from stages.core.scorers import ClassifierScorer
 
@@ -30,7 +28,7 @@ class OutOfMemoryScorer(TokenShareScorer):
 def test_out_of_memory_in_the_rollout_names_the_batch_size(tiny_gpt2_dir: Path) -> None:
     trainer = make_trainer(tiny_gpt2_dir, OutOfMemoryScorer)
     with pytest.raises(TrainingError, match=r"^step 7: out of GPU memory in make_experience: lower ppo.batch_size"):
-        run_step(trainer, *batch(trainer), step=7)
+        trainer.step(*batch(trainer), step=7)
 
 
 def test_out_of_memory_in_the_update_names_the_mini_batch_size(tiny_gpt2_dir: Path) -> None:
@@ -43,7 +41,7 @@ def test_out_of_memory_in_the_update_names_the_mini_batch_size(tiny_gpt2_dir: Pa
     trainer.policy.lm.transformer.register_forward_hook(out_of_memory_with_grad)
     with pytest.raises(TrainingError, match=r"^step 2: out of GPU memory in update: lower ppo.mini_batch_size and "
                                             r"raise ppo.gradient_accumulation_steps"):
-        run_step(trainer, *batch(trainer), step=2)
+        trainer.step(*batch(trainer), step=2)
 
 
 def test_a_causal_lm_is_not_a_reward_model(tiny_gpt2_dir: Path) -> None:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import dvc, make_split, set_params
+from helpers import run_cli
 
 from stages import prepare
 from stages.core.data import load_imdb
@@ -29,15 +27,10 @@ def configure(project: Path, source: Path | str, tokenizer_dir: Path, policy: Pa
                            "prepare.test_pairs": 10, **extra})
 
 
-def run_prepare(project: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stages.prepare"], cwd=project, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(project)})
-
-
 def test_stage_outputs(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> None:
     # a policy id that cannot load offline: prepare needs only the tokenizer
     configure(project, imdb_dir, tokenizer_dir, "nobody/no-such-model")
-    result = run_prepare(project)
+    result = run_cli(project, "prepare")
     assert result.returncode == 0, result.stderr
 
     train = pq.read_table(project / "data/prompts/train.parquet")

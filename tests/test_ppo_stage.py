@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,12 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import build_tiny_gpt2, set_params
+from helpers import run
 from transformers import AutoModelForCausalLM
-
-
-def run(project: Path, *command: str) -> subprocess.CompletedProcess:
-    return subprocess.run(list(command or (sys.executable, "-m", "stages.ppo")), cwd=project, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(project)})
 
 
 @pytest.mark.slow

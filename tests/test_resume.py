@@ -3,6 +3,9 @@ weights, rollout log, curves, metrics, and evaluate's metrics/eval.json (CPU, ti
 
 Also: a changed param ignores the old run's checkpoint, a completed run leaves no checkpoint behind, and a NaN stop
 keeps the last good checkpoint and rollout files, from which ``ppo.nan_policy: skip`` resumes.
+
+The kill delays come from a generator seeded by the KILL_SEED environment variable (default 0); each test prints
+the seed and its delays, so a failure can be replayed with the same ones.
 """
 
 from __future__ import annotations
@@ -21,18 +24,30 @@ import pandas as pd
 import pytest
 import torch
 from conftest import TINY, set_params
+from helpers import run, run_cli, signal_pairs
 from safetensors.torch import load_file
-from test_ppo_stage import run
-from test_sft_reward import signal_pairs
 
+from stages import ppo as ppo_stage
 from stages.core.errors import TrainingError
-from stages.core.loop import train
-from stages.core.params import load_params
 
 CHECKPOINTS = "data/checkpoints/ppo"
 STEPS = 40  # ~0.05 s each after ~8 s of start-up: long enough for a kill to land mid-run
 RESUMABLE = TINY | {"ppo.steps": STEPS, "ppo.checkpoint_every": 3}  # the last chunk is one step: not a boundary
 WALL_TIME = ("time/", "throughput/", "seconds")  # the only values allowed to differ between runs
+
+
+@pytest.fixture
+def kill_delays() -> random.Random:
+    """The generator of kill delays, seeded from KILL_SEED (printed, so a failing run can be replayed)."""
+    seed = int(os.environ.get("KILL_SEED", "0"))
+    print(f"KILL_SEED={seed}")
+    return random.Random(seed)
+
+
+def draw_delays(rng: random.Random, first: float, n: int, high: float) -> list[float]:
+    delays = [first] + [round(rng.uniform(0.0, high), 3) for _ in range(n)]
+    print(f"kill delays after a new checkpoint (s): {delays}")
+    return delays
 
 
 @pytest.fixture
@@ -87,17 +102,16 @@ def outputs(project: Path) -> dict[str, object]:
 
 
 @pytest.mark.slow
-def test_killed_runs_resume_to_the_uninterrupted_result(resumable_project: Path, tmp_path: Path) -> None:
+def test_killed_runs_resume_to_the_uninterrupted_result(resumable_project: Path, tmp_path: Path,
+                                                        kill_delays: random.Random) -> None:
     reference = tmp_path / "uninterrupted"
     shutil.copytree(resumable_project, reference)
     result = run(reference)
     assert result.returncode == 0, result.stderr
     assert not (reference / CHECKPOINTS).exists(), "a completed run keeps no checkpoints"
 
-    rng = random.Random()
     # the first kill right after a checkpoint appears, so that one surely lands mid-run; two more at random moments
-    delays = (0.0, rng.uniform(0.0, 0.6), rng.uniform(0.0, 0.6))
-    left = [kill_after_progress(resumable_project, delay) for delay in delays]
+    left = [kill_after_progress(resumable_project, delay) for delay in draw_delays(kill_delays, 0.0, 2, 0.6)]
     assert any(left), "no kill left a checkpoint to resume from"
     result = run(resumable_project)
     assert result.returncode == 0, result.stderr
@@ -115,7 +129,7 @@ def test_killed_runs_resume_to_the_uninterrupted_result(resumable_project: Path,
     # and so evaluate reports the same metrics for both policies
     for project in (resumable_project, reference):
         shutil.copy(project / "data/prompts/train.parquet", project / "data/prompts/eval.parquet")
-        result = run(project, sys.executable, "-m", "stages.evaluate")
+        result = run_cli(project, "evaluate")
         assert result.returncode == 0, result.stderr
     assert (json.loads((resumable_project / "metrics/eval.json").read_text())
             == json.loads((reference / "metrics/eval.json").read_text()))
@@ -147,23 +161,30 @@ class LengthScorer:
         return scores
 
 
+def score_with(monkeypatch: pytest.MonkeyPatch, scorer: LengthScorer) -> None:
+    """The ppo stage scores with ``scorer`` instead of the reward model."""
+    monkeypatch.setattr(ppo_stage, "make_reward_scorer", lambda params, device: scorer)
+
+
 @pytest.mark.slow
 def test_a_nan_stop_keeps_the_last_checkpoint_and_logs_and_skip_resumes_from_them(
         ppo_project: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     set_params(ppo_project, **{"ppo.steps": 8, "ppo.checkpoint_every": 2})
     monkeypatch.chdir(ppo_project)
+    score_with(monkeypatch, LengthScorer(nan_call=6))
     with pytest.raises(TrainingError, match=r"^step 5: score: the reward scorer returned NaN/inf"):
-        train(load_params(), LengthScorer(nan_call=6))
+        ppo_stage.main()
     assert newest_checkpoint(ppo_project) == "step-000003"
     assert sorted(p.name for p in (ppo_project / "data/rollouts").iterdir()) == [
         "steps-000000-000001.parquet", "steps-000002-000003.parquet"]
 
     set_params(ppo_project, **{"ppo.nan_policy": "skip"})
     caplog.set_level("INFO")
-    summary = train(load_params(), LengthScorer())
+    score_with(monkeypatch, LengthScorer())
+    ppo_stage.main()
     assert "resuming after step 3" in caplog.text
     assert sorted(pd.read_parquet("data/rollouts")["step"].unique()) == list(range(8))
-    assert summary["skipped_batches"] == 0
+    assert json.loads(Path("metrics/ppo.json").read_text())["skipped_batches"] == 0
 
 
 # each stage trains a tiny model for ~40 steps with a checkpoint every 5: the sft run draws blocks from a generator,
@@ -191,21 +212,21 @@ def stage_outputs(project: Path, stage: str) -> dict[str, object]:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["sft", "reward"])
 def test_a_killed_sft_or_reward_run_resumes_to_the_uninterrupted_result(
-        stage: str, project: Path, imdb_dir: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
+        stage: str, project: Path, imdb_dir: Path, tokenizer_dir: Path, tmp_path: Path,
+        kill_delays: random.Random) -> None:
     set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir), **SETTINGS[stage]})
     (project / "data/pairs").mkdir(parents=True)
     signal_pairs(320, 0).to_parquet(project / "data/pairs/train.parquet")  # 2 epochs x 40 steps
     signal_pairs(16, 1).to_parquet(project / "data/pairs/test.parquet")
     reference = tmp_path / "uninterrupted"
     shutil.copytree(project, reference)
-    result = run(reference, sys.executable, "-m", f"stages.{stage}")
+    result = run_cli(reference, stage)
     assert result.returncode == 0, result.stderr
 
-    rng = random.Random()
     # the first kill comes right after a checkpoint (these runs take ~1 s after start-up), the second at random
-    left = [kill_after_progress(project, delay, stage) for delay in (0.0, rng.uniform(0.0, 0.3))]
+    left = [kill_after_progress(project, delay, stage) for delay in draw_delays(kill_delays, 0.0, 1, 0.3)]
     assert any(left), "no kill left a checkpoint to resume from"
-    result = run(project, sys.executable, "-m", f"stages.{stage}")
+    result = run_cli(project, stage)
     assert result.returncode == 0, result.stderr
     if left[-1] is not None:
         assert f"{stage}: resuming after step {int(left[-1].removeprefix('step-'))}" in result.stderr

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 from conftest import set_params
+from helpers import run_cli, signal_pairs
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from stages import reward
 from stages.core import reward_model, sft
 from stages.core.errors import DataError, ModelError, ParamsError
 from stages.core.modeling import load_tokenizer
@@ -69,7 +68,7 @@ def test_sft_loss_goes_down_and_reloads(tokenizer_dir: Path, imdb_dir: Path, tok
     blocks = sft.pack(texts, tokenizer, 32, None)
     before = sft.perplexity(lm, blocks[:16], 8, CPU)
     result = sft.train(lm, blocks, params, CPU, torch.Generator().manual_seed(0))
-    first, last = result.losses[0][1], sum(loss for _, loss in result.losses[-5:]) / 5
+    first, last = result.losses[0], sum(result.losses[-5:]) / 5
     assert last < first - 1.0
     assert sft.perplexity(lm, blocks[:16], 8, CPU) < before / 4
     lm.save_pretrained(tmp_path)
@@ -96,16 +95,6 @@ def test_scratch_config_must_fit_n_positions(tokenizer_dir: Path) -> None:
 def test_missing_sft_base_is_named(tmp_path: Path) -> None:
     with pytest.raises(ParamsError, match=r"^params.yaml: sft.base: local path does not exist"):
         parse_params(raw_params(sft={"enabled": True, "base": str(tmp_path / "nope")}))
-
-
-def signal_pairs(n: int, seed: int) -> pd.DataFrame:
-    """Pairs with an obvious signal: chosen texts say 'great', rejected ones 'awful'."""
-    g = torch.Generator().manual_seed(seed)
-    filler = ["the movie", "a plot", "this film was", "the actor", "it is"]
-    pick = torch.randint(len(filler), (n, 2), generator=g).tolist()
-    return pd.DataFrame({"chosen": [f"{filler[a]} great {filler[b]}" for a, b in pick],
-                         "rejected": [f"{filler[a]} awful {filler[b]}" for a, b in pick],
-                         "chosen_rating": 8, "rejected_rating": 2})
 
 
 @pytest.mark.slow
@@ -174,11 +163,6 @@ def test_missing_reward_base_is_named(tmp_path: Path, tokenizer_dir: Path) -> No
         reward_model.build(params)
 
 
-def run_stage(project: Path, name: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=project, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(project)})
-
-
 def folder_hash(path: Path) -> str:
     digest = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
@@ -188,10 +172,20 @@ def folder_hash(path: Path) -> str:
 
 def test_disabled_stages_write_a_fixed_marker(project: Path) -> None:
     for name, out in (("sft", "models/sft"), ("reward", "models/reward")):
-        assert run_stage(project, name).returncode == 0
+        assert run_cli(project, name).returncode == 0
         first = folder_hash(project / out)
         set_params(project, **{"sft.max_tokens": 12345, "reward.epochs": 7})
-        assert run_stage(project, name).returncode == 0
+        assert run_cli(project, name).returncode == 0
         assert folder_hash(project / out) == first
         switch = "sft.enabled" if name == "sft" else "reward.train"
         assert (project / out / "DISABLED").read_text().startswith(f"{switch} is false")
+
+
+def test_fewer_pairs_than_a_batch_are_refused(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_params(project, **{"reward.train": True, "reward.base": "scratch", "reward.batch_size": 8})
+    (project / "data/pairs").mkdir(parents=True)
+    signal_pairs(5, 0).to_parquet(project / "data/pairs/train.parquet")
+    signal_pairs(5, 1).to_parquet(project / "data/pairs/test.parquet")
+    monkeypatch.chdir(project)
+    with pytest.raises(DataError, match=r"^data/pairs/train.parquet: 5 pairs, fewer than reward.batch_size=8$"):
+        reward.main()

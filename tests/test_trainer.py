@@ -10,32 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TokenShareScorer, batch, make_trainer
 
 from stages.core import ppo
 from stages.core.errors import TrainingError
-from stages.core.modeling import load_causal_lm, load_tokenizer
-from stages.core.params import ModelParams, PpoParams
-from stages.core.policy import PolicyWithValueHead, disable_dropout
 from stages.core.rollout import forward
 from stages.core.trainer import PPOTrainer
-
-QUERIES = ["The movie was", "I think", "This film", "A story of", "The actor", "What a", "It was a", "My favourite"]
-
-
-class TokenShareScorer:
-    """Share of response tokens whose id is below ``cutoff``: a reward the policy can only get by changing."""
-
-    name = "token_share"
-
-    def __init__(self, tokenizer, cutoff: int) -> None:
-        self.tokenizer, self.cutoff = tokenizer, cutoff
-
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
-        shares = []
-        for text in responses:
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            shares.append(sum(i < self.cutoff for i in ids) / max(len(ids), 1))
-        return torch.tensor(shares, dtype=torch.float32)
 
 
 class NanScorer(TokenShareScorer):
@@ -45,35 +25,14 @@ class NanScorer(TokenShareScorer):
         return scores
 
 
-def make_trainer(tiny_gpt2_dir: Path, scorer_cls=TokenShareScorer, **overrides: object) -> PPOTrainer:
-    torch.manual_seed(0)
-    settings = dict(batch_size=16, mini_batch_size=8, ppo_epochs=4, learning_rate=3e-3, adap_kl_ctrl=False,
-                    init_kl_coef=0.01, response_min_tokens=4, response_max_tokens=8)
-    cfg = PpoParams().model_copy(update=settings | overrides)
-    tokenizer = load_tokenizer(str(tiny_gpt2_dir), ModelParams())
-    lm = load_causal_lm(str(tiny_gpt2_dir), ModelParams())
-    ref = load_causal_lm(str(tiny_gpt2_dir), ModelParams())
-    disable_dropout(lm)
-    disable_dropout(ref)
-    scorer = scorer_cls(tokenizer, cutoff=len(tokenizer) // 4)
-    policy = PolicyWithValueHead(lm, cfg.value_model == "separate")
-    return PPOTrainer(policy, ref, tokenizer, scorer, cfg, torch.device("cpu"))
-
-
-def batch(trainer: PPOTrainer, n: int = 16) -> tuple[list[list[int]], list[str]]:
-    queries = [QUERIES[i % len(QUERIES)] for i in range(n)]
-    return [trainer.tokenizer(q).input_ids for q in queries], queries
-
-
 def train(trainer: PPOTrainer, steps: int) -> list[dict[str, float]]:
-    return [trainer.step(*batch(trainer), step=s) for s in range(steps)]
+    return [trainer.step(*batch(trainer), step=s).stats for s in range(steps)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_reward_goes_up(tiny_gpt2_dir: Path, precision: str) -> None:
-    trainer = make_trainer(tiny_gpt2_dir)
-    trainer.precision = precision
+    trainer = make_trainer(tiny_gpt2_dir, precision=precision)
     stats = train(trainer, 40)
     first = sum(s["objective/scores"] for s in stats[:4]) / 4
     last = sum(s["objective/scores"] for s in stats[-4:]) / 4
@@ -130,8 +89,9 @@ def test_a_nan_score_stops_with_the_step_and_quantity(tiny_gpt2_dir: Path) -> No
 def test_nan_policy_skip_counts_the_batch(tiny_gpt2_dir: Path) -> None:
     trainer = make_trainer(tiny_gpt2_dir, scorer_cls=NanScorer, nan_policy="skip")
     before = copy.deepcopy(trainer.policy.state_dict())
-    stats = trainer.step(*batch(trainer), step=0)
-    assert stats["ppo/skipped_batches"] == 1.0
+    result = trainer.step(*batch(trainer), step=0)
+    assert result.skipped and result.experience is None
+    assert result.stats["ppo/skipped_batches"] == 1.0
     assert all(torch.equal(t, before[k]) for k, t in trainer.policy.state_dict().items())
 
 

@@ -36,7 +36,6 @@ from stages.core.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
-ROOT = Path("data/checkpoints")
 CODE_DIR = Path(__file__).resolve().parents[1]  # the stages package
 PREFIX = "step-"
 STATE_FILE = "state.json"
@@ -223,32 +222,3 @@ def restore_files(checkpoint: Checkpoint, files: dict[str, Path]) -> None:
 def clear(folder: Path) -> None:
     """A completed run needs no checkpoints."""
     shutil.rmtree(folder, ignore_errors=True)
-
-
-# --- the plain training loop (sft, reward): model, AdamW, LR schedule, RNGs ------------------------------------------
-
-
-def save_training(folder: Path, fingerprint: str, step: int, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
-                  generators: dict[str, torch.Generator], state: dict[str, Any]) -> Path:
-    """Checkpoint after ``step``: weights, optimizer and schedule, every RNG, and the loop's own ``state``."""
-    return save(folder, step, model, {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()},
-                {"fingerprint": fingerprint, "rng": rng_states(generators), **state}, {})
-
-
-def resume_training(folder: Path, fingerprint: str, key: str, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
-                    generators: dict[str, torch.Generator]) -> Checkpoint | None:
-    """Load this run's newest checkpoint into the model, optimizer, schedule and RNGs (None: start from step 0).
-    The disk is checked first, naming ``key``: a checkpoint is written before the previous one is removed."""
-    check_free_space(folder, checkpoint_bytes(model), key)
-    found = find(folder, fingerprint)
-    if found is None:
-        return None
-    load_weights(found, model)
-    state = load_optimizer_state(found)
-    optimizer.load_state_dict(state["optimizer"])
-    schedule.load_state_dict(state["schedule"])
-    set_rng_states(found.state["rng"], generators)
-    log.info("%s: resuming after step %d from %s", folder.name, found.step, found.path)
-    return found

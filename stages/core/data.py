@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from stages.core.errors import DataError
+from stages.core.paths import RAW, is_local
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ RENAMES = {"review": "text", "sentiment": "label"}
 LABEL_NAMES = {"positive": 1, "pos": 1, "negative": 0, "neg": 0}
 LABEL_DIRS = {1: "pos", 0: "neg", -1: "unsup"}
 TABLE_SUFFIXES = (".csv", ".parquet")
-RAW = Path("data/raw")  # the folder dvc.yaml tracks for prepare and sft
 
 
 def load_imdb(source: str, revision: str | None, splits: Sequence[str]) -> dict[str, pd.DataFrame]:
@@ -52,7 +52,7 @@ def load_imdb(source: str, revision: str | None, splits: Sequence[str]) -> dict[
         frames = {split: (_read_aclimdb(root, split), f"{root}/{split}") for split in splits}
     elif path.is_dir():
         frames = {split: _read_split_file(path, split) for split in splits}
-    elif source.startswith((".", "/", "~")) or source.count("/") > 1 or path.suffix.lower() in TABLE_SUFFIXES:
+    elif is_local(source):
         raise DataError(f"{source}: no such file or folder")
     else:
         frames = _read_hub(source, revision, splits)

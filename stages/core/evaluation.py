@@ -203,13 +203,6 @@ def evaluate_policy(policy: PreTrainedModel, reference: PreTrainedModel, tokeniz
     return metrics, samples_table(queries, runs, scores, stats["policy"])
 
 
-def score_histogram(before: np.ndarray, after: np.ndarray, bins: int = 20) -> pd.DataFrame:
-    """Counts of before/after scores in shared equal-width bins; ``bin`` is the bin centre (the plot's x)."""
-    edges = np.histogram_bin_edges(np.concatenate([before, after]), bins=bins)
-    return pd.DataFrame({"bin": np.round((edges[:-1] + edges[1:]) / 2, 4),
-                         "before": np.histogram(before, edges)[0], "after": np.histogram(after, edges)[0]})
-
-
 def _cell(value: object) -> str:
     """A Markdown table cell: one line, pipes escaped, floats to 3 decimals."""
     if isinstance(value, float | np.floating):

@@ -22,6 +22,7 @@ from transformers.activations import ACT2FN, NewGELUActivation
 
 from stages.core.errors import ModelError
 from stages.core.params import ModelParams, Params
+from stages.core.paths import SFT_DIR, is_local
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +31,16 @@ SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 FAST_GELU = "gelu_pytorch_tanh"
 
 
-def _is_local(name: str) -> bool:
-    return Path(name).expanduser().exists() or name.startswith((".", "/", "~"))
-
-
 def _load_kwargs(name: str, model: ModelParams) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"trust_remote_code": model.trust_remote_code}
-    if not _is_local(name) and model.revision is not None:
+    if not is_local(name) and model.revision is not None:
         kwargs["revision"] = model.revision
     return kwargs
 
 
 def check_local_dir(name: str, what: str) -> None:
     """A local path must be an existing folder with a config.json (a Hub id is checked by the download instead)."""
-    if not _is_local(name):
+    if not is_local(name):
         return
     path = Path(name).expanduser()
     if not path.is_dir():
@@ -54,7 +51,7 @@ def check_local_dir(name: str, what: str) -> None:
 
 def check_weights_format(name: str, what: str, allow_pickle: bool) -> None:
     """Refuse a local checkpoint that only has pickled weights unless model.allow_pickle is set."""
-    if not _is_local(name):
+    if not is_local(name):
         return
     path = Path(name).expanduser()
     has_safe = any((path / f).exists() for f in SAFE_WEIGHTS)
@@ -74,7 +71,7 @@ def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
 
     ``padding_side`` defaults to left (generation); None keeps the tokenizer's own.
     """
-    if _is_local(name) and not Path(name).expanduser().is_dir():
+    if is_local(name) and not Path(name).expanduser().is_dir():
         raise ModelError(f"{what}: {name}: no such directory")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **_load_kwargs(name, model))
@@ -138,15 +135,12 @@ def check_vocab_match(tokenizer: PreTrainedTokenizerBase, lm: PreTrainedModel, w
         )
 
 
-SFT_DIR = "models/sft"
-
-
 def initial_policy(params: Params) -> tuple[str, str, str]:
     """(policy path, tokenizer path, params key) of the initial policy, which is also the frozen reference."""
     if params.sft.enabled:
-        if not (Path(SFT_DIR) / "config.json").exists():
+        if not (SFT_DIR / "config.json").exists():
             raise ModelError(f"sft.enabled is true but {SFT_DIR} holds no trained model (run the sft stage)")
-        return SFT_DIR, SFT_DIR, SFT_DIR
+        return str(SFT_DIR), str(SFT_DIR), str(SFT_DIR)
     return params.model.policy, params.tokenizer_path, "model.policy"
 
 

@@ -22,6 +22,7 @@ from pydantic.fields import FieldInfo
 from ruamel.yaml import YAML, YAMLError
 
 from stages.core.errors import ParamsError
+from stages.core.paths import is_local
 
 PARAMS_FILE = "params.yaml"
 
@@ -33,11 +34,6 @@ class Rule(ValueError):
     def __init__(self, key: str, rule: str, value: Any) -> None:
         super().__init__(rule)
         self.key, self.rule, self.value = key, rule, value
-
-
-def is_local(path: str) -> bool:
-    """A value that can only mean a local path: relative/absolute path syntax rather than a Hub 'org/name' id."""
-    return path.startswith((".", "/", "~")) or path.count("/") > 1 or path.endswith((".parquet", ".csv", ".jsonl"))
 
 
 def _exists_if_local(value: str, info: ValidationInfo) -> str:

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from stages.core.io import atomic_path
 from stages.core.training import full_precision
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -60,6 +61,15 @@ class PolicyWithValueHead(nn.Module):
         if self.critic is not None:
             self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in state.items()
                                          if k.startswith("critic.")})
+
+
+def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """``folder``, replaced in one rename: the LM loadable by AutoModelForCausalLM, its tokenizer, and the value head
+    beside them."""
+    with atomic_path(folder) as tmp:
+        policy.lm.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        policy.save_value_head(tmp)
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -6,20 +6,19 @@ minibatch go through one forward pass.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification, GPT2Config, PreTrainedModel, PreTrainedTokenizerBase
 
 from stages.core import checkpoint
-from stages.core.errors import DataError, TrainingError
-from stages.core.modeling import SFT_DIR, fast_activations, load_sequence_classifier, load_tokenizer
+from stages.core.batches import ShuffledBatches
+from stages.core.errors import DataError
+from stages.core.fit import FitPlan, FitResult, fit
+from stages.core.modeling import fast_activations, load_sequence_classifier, load_tokenizer
 from stages.core.params import Params, stage_params
-from stages.core.training import autocast, warmup_cosine
+from stages.core.paths import PAIRS_DIR, SFT_DIR
+from stages.core.training import autocast
 
 MARGIN_PER_STAR = 0.1  # with reward.margin, chosen must beat rejected by 0.1 per star of rating difference
 
@@ -28,7 +27,7 @@ def init_paths(params: Params) -> tuple[str | None, str, str]:
     """(model to start from or None for scratch, tokenizer, params key) for reward.base."""
     r = params.reward
     if r.base == "sft":
-        return SFT_DIR, SFT_DIR, "reward.base"
+        return str(SFT_DIR), str(SFT_DIR), "reward.base"
     if r.base == "scratch":
         return None, params.tokenizer_path, "model.tokenizer"
     return r.base, params.model.tokenizer or r.base, "reward.base"
@@ -85,16 +84,6 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: tor
     return (-F.logsigmoid(diff) + center_coef * (chosen + rejected).square()).mean()
 
 
-@dataclass
-class RewardResult:
-    losses: list[float]
-    seconds: float
-
-
-CHECKPOINT_DIR = checkpoint.ROOT / "reward"
-PAIRS_DIR = "data/pairs"
-
-
 def run_fingerprint(params: Params) -> str:
     """What determines a reward run: the params the stage reads (not the checkpoint interval) and its inputs."""
     config = stage_params(params, "reward", exclude=("reward.checkpoint_every",))
@@ -103,58 +92,24 @@ def run_fingerprint(params: Params) -> str:
 
 
 def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: pd.DataFrame, params: Params,
-          device: torch.device, generator: torch.Generator) -> RewardResult:
-    """Bradley-Terry training, ``reward.epochs`` shuffled passes over the pairs.
-
-    With reward.checkpoint_every, a checkpoint every that many steps in data/checkpoints/reward/; a rerun after a
-    kill resumes from the newest one of the same run. The shuffles are drawn again from ``generator`` (it serves
-    nothing else), and the steps already done are skipped.
-    """
+          device: torch.device, generator: torch.Generator) -> FitResult:
+    """Bradley-Terry training, ``reward.epochs`` passes over the pairs, each in a fresh order drawn from
+    ``generator`` (its full batches; with reward.checkpoint_every, a rerun after a kill resumes to the same result)."""
     r = params.reward
-    n = len(pairs)
-    steps = r.epochs * max(1, n // r.batch_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=r.learning_rate)
-    schedule = warmup_cosine(optimizer, min(50, steps // 10 + 1), steps)
     rating_gap = (pairs.get("chosen_rating", 0) - pairs.get("rejected_rating", 0)).clip(lower=0)
-    losses, earlier = [], 0.0
-    fingerprint = run_fingerprint(params) if r.checkpoint_every else None
-    found = checkpoint.resume_training(CHECKPOINT_DIR, fingerprint, "reward.checkpoint_every", model, optimizer,
-                                       schedule, {}) if fingerprint else None
-    if found is not None:
-        losses, earlier = found.state["losses"], found.state["seconds"]
-    done, step = len(losses), 0
-    model.train()
-    start = time.perf_counter()
-    bar = tqdm(total=steps, desc="reward", initial=done)
-    for _ in range(r.epochs):
-        order = torch.randperm(n, generator=generator)
-        for i in range(0, n - r.batch_size + 1, r.batch_size):
-            step += 1
-            if step <= done:
-                continue
-            idx = order[i: i + r.batch_size].numpy()
-            texts = pairs["chosen"].iloc[idx].tolist() + pairs["rejected"].iloc[idx].tolist()
-            both = scores(model, tokenizer, texts, r.max_length, device, params.model.precision)
-            margin = (torch.tensor(rating_gap.iloc[idx].to_numpy(), dtype=torch.float32, device=device)
-                      * MARGIN_PER_STAR if r.margin else None)
-            loss = bradley_terry_loss(both[: len(idx)], both[len(idx):], margin, r.center_coef)
-            if not torch.isfinite(loss):
-                raise TrainingError(f"step {len(losses)}: reward loss is NaN/inf (lower reward.learning_rate)")
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), r.max_grad_norm)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            bar.update()
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-            if fingerprint and step % r.checkpoint_every == 0 and step < steps:
-                checkpoint.save_training(CHECKPOINT_DIR, fingerprint, step - 1, model, optimizer, schedule, {},
-                                         {"losses": losses, "seconds": earlier + time.perf_counter() - start})
-    bar.close()
-    if fingerprint:
-        checkpoint.clear(CHECKPOINT_DIR)
-    return RewardResult(losses, earlier + time.perf_counter() - start)
+
+    def loss(order: torch.Tensor) -> torch.Tensor:
+        idx = order.numpy()
+        texts = pairs["chosen"].iloc[idx].tolist() + pairs["rejected"].iloc[idx].tolist()
+        both = scores(model, tokenizer, texts, r.max_length, device, params.model.precision)
+        margin = (torch.tensor(rating_gap.iloc[idx].to_numpy(), dtype=torch.float32, device=device)
+                  * MARGIN_PER_STAR if r.margin else None)
+        return bradley_terry_loss(both[: len(idx)], both[len(idx):], margin, r.center_coef)
+
+    plan = FitPlan("reward", r.epochs * (len(pairs) // r.batch_size), r.learning_rate, r.warmup_steps,
+                   r.max_grad_norm, checkpoint_every=r.checkpoint_every,
+                   fingerprint=run_fingerprint(params) if r.checkpoint_every else None)
+    return fit(model, model.parameters(), loss, ShuffledBatches(len(pairs), r.batch_size, generator), plan)
 
 
 @torch.no_grad()

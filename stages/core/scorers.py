@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -10,8 +9,7 @@ import torch
 from stages.core.errors import ModelError
 from stages.core.modeling import load_sequence_classifier, load_tokenizer
 from stages.core.params import ModelParams, Params, judge_name
-
-REWARD_DIR = Path("models/reward")
+from stages.core.paths import REWARD_DIR
 
 
 class Scorer(Protocol):
@@ -99,7 +97,7 @@ def reward_model_path(params: Params) -> tuple[str, str]:
     if params.reward.train:
         if not (REWARD_DIR / "config.json").exists():
             raise ModelError(f"reward.train is true but {REWARD_DIR} holds no trained model (run the reward stage)")
-        return str(REWARD_DIR), "models/reward"
+        return str(REWARD_DIR), str(REWARD_DIR)
     return params.reward.model, "reward.model"
 
 

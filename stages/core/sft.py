@@ -1,22 +1,21 @@
-"""Causal-LM training on IMDb text: packed blocks, AdamW with warmup + cosine decay, held-out perplexity."""
+"""Causal-LM training on IMDb text: packed blocks, next-token loss (trained by stages/core/fit.py), perplexity."""
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import torch
-from tqdm import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from stages.core import checkpoint
-from stages.core.errors import DataError, ModelError, TrainingError
+from stages.core.batches import RandomBatches
+from stages.core.errors import DataError, ModelError
+from stages.core.fit import FitPlan, FitResult, fit
 from stages.core.modeling import context_size, fast_activations, load_causal_lm
-from stages.core.params import Params, stage_params
-from stages.core.training import autocast, warmup_cosine
+from stages.core.params import Params, SftParams, stage_params
+from stages.core.training import autocast
 
 
 def build_model(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
@@ -70,16 +69,6 @@ def perplexity(lm: PreTrainedModel, blocks: torch.Tensor, batch_size: int, devic
     return math.exp(total / count)
 
 
-@dataclass
-class SftResult:
-    losses: list[tuple[int, float]]  # (step, loss) for the curve
-    tokens: int
-    seconds: float
-
-
-CHECKPOINT_DIR = checkpoint.ROOT / "sft"
-
-
 def run_fingerprint(params: Params) -> str:
     """What determines an sft run: the params the stage reads (not its checkpoint interval) and the local inputs."""
     config = stage_params(params, "sft", exclude=("sft.checkpoint_every",))
@@ -87,50 +76,29 @@ def run_fingerprint(params: Params) -> str:
     return checkpoint.fingerprint(config, [p for p in inputs if p])
 
 
-def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: torch.device,
-          generator: torch.Generator) -> SftResult:
-    """Next-token training on random blocks until the sft.max_tokens budget is spent.
+def tokens_per_step(s: SftParams) -> int:
+    return s.batch_size * s.block_size * s.gradient_accumulation_steps
 
-    With sft.checkpoint_every, a checkpoint every that many steps in data/checkpoints/sft/; a rerun after a kill
-    resumes from the newest one of the same run (see stages/core/checkpoint.py) to the same result.
+
+def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: torch.device,
+          generator: torch.Generator) -> FitResult:
+    """Next-token training on blocks drawn at random (from ``generator``) until the sft.max_tokens budget is spent.
+
+    Weight decay applies to the matrices only (not to biases and LayerNorm gains); with sft.checkpoint_every, a
+    rerun after a kill resumes to the same result (stages/core/fit.py).
     """
     s = params.sft
-    tokens_per_step = s.batch_size * s.block_size * s.gradient_accumulation_steps
-    steps = max(1, s.max_tokens // tokens_per_step)
     decay = [p for p in lm.parameters() if p.dim() >= 2]
     no_decay = [p for p in lm.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=s.learning_rate, betas=(0.9, 0.95))
-    schedule = warmup_cosine(optimizer, min(s.warmup_steps, steps // 2), steps)
-    losses: list[tuple[int, float]] = []
-    fingerprint = run_fingerprint(params) if s.checkpoint_every else None
-    found = checkpoint.resume_training(CHECKPOINT_DIR, fingerprint, "sft.checkpoint_every", lm, optimizer, schedule,
-                                       {"blocks": generator}) if fingerprint else None
-    earlier = 0.0  # seconds spent before a resume
-    if found is not None:
-        losses, earlier = [tuple(pair) for pair in found.state["losses"]], found.state["seconds"]
-    lm.train()
-    first, start = len(losses), time.perf_counter()
-    bar = tqdm(range(first, steps), desc="sft", initial=first, total=steps)
-    for step in bar:
-        for _ in range(s.gradient_accumulation_steps):
-            idx = torch.randint(len(blocks), (s.batch_size,), generator=generator)
-            batch = blocks[idx].to(device)
-            with autocast(device, params.model.precision):
-                loss = lm(input_ids=batch, labels=batch).loss
-            if not torch.isfinite(loss):
-                raise TrainingError(f"step {step}: sft loss is NaN/inf (lower sft.learning_rate)")
-            (loss / s.gradient_accumulation_steps).backward()
-        torch.nn.utils.clip_grad_norm_(lm.parameters(), s.max_grad_norm)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append((step, loss.item()))
-        elapsed = time.perf_counter() - start
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{(step + 1 - first) * tokens_per_step / elapsed:.0f}")
-        if fingerprint and (step + 1) % s.checkpoint_every == 0 and step + 1 < steps:
-            checkpoint.save_training(CHECKPOINT_DIR, fingerprint, step, lm, optimizer, schedule, {"blocks": generator},
-                                     {"losses": losses, "seconds": earlier + elapsed})
-    if fingerprint:
-        checkpoint.clear(CHECKPOINT_DIR)
-    return SftResult(losses, steps * tokens_per_step, earlier + time.perf_counter() - start)
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def loss(idx: torch.Tensor) -> torch.Tensor:
+        batch = blocks[idx].to(device)
+        with autocast(device, params.model.precision):
+            return lm(input_ids=batch, labels=batch).loss
+
+    plan = FitPlan("sft", max(1, s.max_tokens // tokens_per_step(s)), s.learning_rate, s.warmup_steps,
+                   s.max_grad_norm, s.gradient_accumulation_steps, betas=(0.9, 0.95),
+                   checkpoint_every=s.checkpoint_every, fingerprint=run_fingerprint(params) if s.checkpoint_every
+                   else None)
+    return fit(lm, groups, loss, RandomBatches(len(blocks), s.batch_size, generator), plan)

@@ -2,13 +2,17 @@
 
 Device-agnostic: tensors live on ``device``; an optional ``accelerate.Accelerator`` adds data parallelism (each
 process samples its own batch, gradients are averaged, the KL controller sees the mean over processes).
+``PPOTrainer.step`` is the one entry point, for the ppo stage, the tests and the benchmark alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -20,6 +24,15 @@ from stages.core.policy import PolicyWithValueHead
 from stages.core.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
 from stages.core.scorers import Scorer
 from stages.core.training import autocast
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+# which param to lower when a phase of the iteration runs out of GPU memory (methods of PPOTrainer)
+OOM_ADVICE = {
+    "make_experience": "lower ppo.batch_size (generation and the rollout forward passes hold the whole batch)",
+    "update": "lower ppo.mini_batch_size and raise ppo.gradient_accumulation_steps to keep the same batch",
+}
 
 
 @dataclass
@@ -47,30 +60,35 @@ class Experience:
 @dataclass
 class StepResult:
     stats: dict[str, float]
-    experience: Experience
-    skipped: bool = False
+    experience: Experience | None  # None: the batch was skipped (a NaN/inf under ppo.nan_policy: skip)
+
+    @property
+    def skipped(self) -> bool:
+        return self.experience is None
 
 
 @dataclass
 class PPOTrainer:
-    policy: PolicyWithValueHead
+    policy: PolicyWithValueHead  # the trained module: checkpointed and saved
     ref_policy: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     scorer: Scorer
     cfg: PpoParams
     device: torch.device
-    accelerator: object | None = None  # accelerate.Accelerator
+    precision: str  # model.precision
+    accelerator: Accelerator | None = None
     length_generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
-    precision: str = "auto"  # model.precision
     skipped_batches: int = 0
 
     def __post_init__(self) -> None:
         cfg = self.cfg
-        self.model = self.policy  # what the optimizer steps through; DDP-wrapped under accelerate
         # fused: one kernel over all parameters instead of a dozen passes (bench-cpu: 20 ms a step, ~10x fewer)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.learning_rate, fused=True)
+        # the update's forward and backward go through this one: DDP-wrapped by accelerate so that gradients are
+        # averaged over processes, else the policy itself (sampling and saving use the unwrapped policy)
+        self.wrapped_policy: torch.nn.Module = self.policy
         if self.accelerator is not None:
-            self.model, self.optimizer = self.accelerator.prepare(self.policy, self.optimizer)
+            self.wrapped_policy, self.optimizer = self.accelerator.prepare(self.policy, self.optimizer)
         self.kl_ctl = (ppo.AdaptiveKLController(cfg.init_kl_coef, cfg.target, cfg.horizon) if cfg.adap_kl_ctrl
                        else ppo.FixedKLController(cfg.init_kl_coef))
         self.score_moments = ppo.RunningMoments()
@@ -79,17 +97,26 @@ class PPOTrainer:
 
     # --- the iteration ---------------------------------------------------------------------------------------------
 
-    def step(self, query_ids: list[list[int]], queries: list[str], step: int = 0) -> dict[str, float]:
-        """One full PPO iteration on a batch of prompts; returns its stats (timings included)."""
-        return self.run_step(query_ids, queries, step).stats
+    def step(self, query_ids: list[list[int]], queries: list[str], step: int = 0) -> StepResult:
+        """One full PPO iteration on a batch of prompts: its stats (timings included) and experience.
 
-    def run_step(self, query_ids: list[list[int]], queries: list[str], step: int = 0) -> StepResult:
+        CUDA out-of-memory becomes a TrainingError naming the param to lower for the phase that ran out.
+        """
+        try:
+            return self._iteration(query_ids, queries, step)
+        except torch.OutOfMemoryError:
+            frames = [frame.name for frame in traceback.extract_tb(sys.exc_info()[2])]
+            phase = next((name for name in frames if name in OOM_ADVICE), None)
+            advice = OOM_ADVICE.get(phase, "lower ppo.batch_size or ppo.mini_batch_size")
+            raise TrainingError(f"step {step}: out of GPU memory in {phase or 'the PPO step'}: {advice}") from None
+
+    def _iteration(self, query_ids: list[list[int]], queries: list[str], step: int) -> StepResult:
         timings: dict[str, float] = {}
         # 1-5. generate, score, forward policy and reference, shape rewards, advantages
         experience = self.make_experience(query_ids, queries, step, timings)
         if experience is None:
             self.skipped_batches += 1
-            return StepResult({"ppo/skipped_batches": float(self.skipped_batches)}, None, skipped=True)
+            return StepResult({"ppo/skipped_batches": float(self.skipped_batches)}, None)
         # 6. ppo epochs over shuffled minibatches
         with self.timer(timings, "update"):
             update_stats = self.update(experience, step)
@@ -138,7 +165,7 @@ class PPOTrainer:
     def update(self, exp: Experience, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches; gradients accumulate over micro-batches."""
         cfg = self.cfg
-        self.model.train()
+        self.wrapped_policy.train()
         B = len(exp.scores)
         micro = cfg.mini_batch_size
         stats: list[dict[str, torch.Tensor]] = []
@@ -153,7 +180,7 @@ class PPOTrainer:
                     self.backward(loss / cfg.gradient_accumulation_steps)
                     stats.append(mb_stats)
                 grad_norms.append(self.optimizer_step(step))
-        self.model.eval()
+        self.wrapped_policy.eval()
         mean = {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
         mean["policy/ratio_max"] = max(s["val/ratio_max"].item() for s in stats)
         mean["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -164,7 +191,7 @@ class PPOTrainer:
         mb_samples = Samples(s.query_responses[mb], s.attention_mask[mb], s.context_length, s.response_mask[mb],
                              s.has_eos[mb])
         with self.autocast():
-            out = forward(self.model, mb_samples, self.cfg.temperature)
+            out = forward(self.wrapped_policy, mb_samples, self.cfg.temperature)
         loss, stats = ppo.ppo_loss(out.logprobs, out.values, exp.logprobs[mb], exp.values[mb], exp.advantages[mb],
                                    exp.returns[mb], mb_samples.response_mask, self.cfg.cliprange,
                                    self.cfg.cliprange_value, self.cfg.vf_coef, self.cfg.ratio_threshold)
@@ -172,7 +199,7 @@ class PPOTrainer:
         return loss, stats
 
     def optimizer_step(self, step: int) -> float:
-        params = self.model.parameters()
+        params = self.wrapped_policy.parameters()
         if self.cfg.max_grad_norm is None:  # the norm is still logged, but clipping by inf would rescale every grad
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         elif self.accelerator is not None:

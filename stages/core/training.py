@@ -17,9 +17,17 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+CPU_BF16_PROBES = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private torch.cpu functions
+
+
 def cpu_has_bf16() -> bool:
-    """AMX or AVX-512 BF16: bf16 matmuls run several times faster than fp32 (elsewhere they are emulated, slower)."""
-    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    """AMX or AVX-512 BF16: bf16 matmuls run several times faster than fp32 (elsewhere they are emulated, slower).
+
+    The probes are private to torch; a torch without them is taken for a CPU without native bf16 (fp32 is correct
+    everywhere, only slower).
+    """
+    probes = (getattr(torch.cpu, name, None) for name in CPU_BF16_PROBES)
+    return any(probe() for probe in probes if probe is not None)
 
 
 def mixed_precision(device: torch.device, precision: str) -> torch.dtype | None:

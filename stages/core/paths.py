@@ -1,0 +1,50 @@
+"""Every file and folder the stages read or write, spelled once, and the one rule for "is this a local path?".
+
+Paths are relative to the project root, where DVC runs the stages; dvc.yaml names the same ones
+(tests/test_layout.py checks that it names no other).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+RAW = Path("data/raw")  # local inputs DVC watches (prepare and sft list it as a dependency)
+PROMPTS_DIR = Path("data/prompts")
+TRAIN_PROMPTS = PROMPTS_DIR / "train.parquet"
+EVAL_PROMPTS = PROMPTS_DIR / "eval.parquet"
+PAIRS_DIR = Path("data/pairs")
+TRAIN_PAIRS = PAIRS_DIR / "train.parquet"
+TEST_PAIRS = PAIRS_DIR / "test.parquet"
+ROLLOUTS_DIR = Path("data/rollouts")
+EVAL_DIR = Path("data/eval")
+EVAL_SAMPLES = EVAL_DIR / "samples.parquet"
+CHECKPOINTS_DIR = Path("data/checkpoints")  # not a DVC output: DVC deletes outputs before rerunning a stage
+
+SFT_DIR = Path("models/sft")
+REWARD_DIR = Path("models/reward")
+POLICY_DIR = Path("models/policy")
+
+PREPARE_METRICS = Path("metrics/prepare.json")
+SFT_METRICS = Path("metrics/sft.json")
+SFT_LOSS = Path("metrics/sft/loss.csv")
+REWARD_METRICS = Path("metrics/reward.json")
+REWARD_SCORES = Path("metrics/reward/scores.csv")
+PPO_METRICS = Path("metrics/ppo.json")
+PPO_CURVES = Path("metrics/ppo")  # DVCLive's folder
+EVAL_METRICS = Path("metrics/eval.json")
+EVAL_REPORT_DIR = Path("metrics/evaluate")
+EVAL_REPORT = EVAL_REPORT_DIR / "report.md"
+EVAL_HISTOGRAM = EVAL_REPORT_DIR / "score_histogram.csv"
+
+LOCAL_SUFFIXES = (".parquet", ".csv", ".jsonl")
+
+
+def is_local(value: str) -> bool:
+    """Whether a model or data value names a local path rather than a Hub id.
+
+    An existing path is local; so is a value only a path can look like: starting with '.', '/' or '~', holding more
+    than one '/', or ending in a table suffix (.parquet, .csv, .jsonl). Anything else ('gpt2', 'org/name') is a Hub
+    id, which cannot be checked offline.
+    """
+    return (Path(value).expanduser().exists() or value.startswith((".", "/", "~")) or value.count("/") > 1
+            or Path(value).suffix.lower() in LOCAL_SUFFIXES)
