@@ -140,7 +140,7 @@ def shared_dir() -> Path:
 
 
 PROJECT_FILES = ["dvc.yaml", "params.yaml", "pyproject.toml", "stages", "bench", ".dvc/config", ".dvc/plots",
-                 "data/raw/.gitkeep"]
+                 "data/raw/.gitkeep", "metrics/frontier/chart/.keep.yaml"]
 
 
 @pytest.fixture
