@@ -115,7 +115,8 @@ def test_a_dry_run_of_a_shipped_preset_prints_the_default_grid_and_copies_nothin
     assert len(commands) == 5
     assert [line.split()[4] for line in commands] == [f"offline-cpu-kl{c:g}" for c in DEFAULT_KL_COEFS]
     assert all("-S ppo.steps=80 " in line and "-S ppo.adap_kl_ctrl=false " in line for line in commands)
-    assert not (project / "data" / "raw" / "imdb").exists() and not (project / "metrics" / "frontier").exists()
+    assert not (project / "data" / "raw" / "imdb").exists()
+    assert [p.name for p in (project / "metrics" / "frontier").rglob("*") if p.is_file()] == [".keep.yaml"]
 
 
 def points_log(result: subprocess.CompletedProcess) -> dict[str, tuple[str, set[str]]]:
