@@ -82,16 +82,21 @@ def load_preset(name: str) -> dict[str, Any]:
     return read_yaml(path) or {}
 
 
-def ensure_local_inputs(changes: dict[str, Any], sources: dict[str, Path]) -> None:
-    """Copy the local IMDb / tokenizer the preset points at into data/raw/ (a DVC dependency) when missing."""
+def ensure_local_inputs(changes: dict[str, Any], sources: dict[str, Path], dry_run: bool = False) -> dict[str, Path]:
+    """Copy the local IMDb / tokenizer the preset points at into data/raw/ (a DVC dependency) when missing (with
+    ``dry_run``, only say so); return {target: source} of the copies made or due."""
     wanted = [value for value in flatten(changes).values() if isinstance(value, str)]
+    copies = {}
     for kind, target in LOCAL_INPUTS.items():
         if target not in wanted or Path(target).exists():
             continue
         if not sources[kind].exists():
             raise ParamsError(f"--{kind}: {sources[kind]} does not exist (the preset needs a copy at {target})")
-        print(f"copying {sources[kind]} -> {target}")
-        shutil.copytree(sources[kind], target)
+        print(f"{'would copy' if dry_run else 'copying'} {sources[kind]} -> {target}")
+        if not dry_run:
+            shutil.copytree(sources[kind], target)
+        copies[target] = sources[kind]
+    return copies
 
 
 def main() -> None:

@@ -139,7 +139,8 @@ def shared_dir() -> Path:
     return SHARED
 
 
-PROJECT_FILES = ["dvc.yaml", "params.yaml", "pyproject.toml", "stages", "bench", ".dvc/config", "data/raw/.gitkeep"]
+PROJECT_FILES = ["dvc.yaml", "params.yaml", "pyproject.toml", "stages", "bench", ".dvc/config", ".dvc/plots",
+                 "data/raw/.gitkeep", "metrics/frontier/chart/.keep.yaml"]
 
 
 @pytest.fixture

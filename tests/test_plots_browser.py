@@ -23,6 +23,8 @@ import pytest
 import yaml
 from conftest import dvc
 
+from stages.core.frontier import CHART_DIR, write_frontier
+
 VEGA_JS_DIR = Path(os.environ.get("VEGA_JS_DIR", Path.home() / ".cache" / "imdb-rlhf" / "vega"))
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--virtual-time-budget=20000"]
@@ -60,12 +62,29 @@ def local_scripts(html: str) -> str:
     return html
 
 
-def fake_plot_data(project: Path) -> list[str]:
+def fake_frontier(project: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A two-series frontier written by the frontier tool's own writer; return the chart's plot id."""
+    reference = {"experiment": "", "point": "reference", "kl.mean": 0.0, "policy.positive_rate": 0.41,
+                 "judge.vader.policy_positive_rate": 0.36}
+    rows = [{**reference, "series": "default"}, {**reference, "series": "rloo"}]
+    for series, shift in (("default", 0.0), ("rloo", 0.05)):
+        rows += [{"experiment": f"cpu-{series}-kl{c}", "series": series, "point": f"kl{c}", "kl.mean": kl,
+                  "policy.positive_rate": rm + shift, "judge.vader.policy_positive_rate": vader + shift}
+                 for c, kl, rm, vader in ((0.4, 1.6, 0.52, 0.44), (0.2, 4.8, 0.68, 0.55), (0.05, 7.9, 0.8, 0.5))]
+    monkeypatch.chdir(project)
+    _, chart = write_frontier(rows, "cpu")
+    return re.sub(r"[^A-Za-z0-9]", "_", str(chart))  # the div id DVC gives a plot of a folder's file
+
+
+def fake_plot_data(project: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Write a few rows into every file a top-level plot reads, with the fields it names; return the plot ids."""
     spec = yaml.safe_load((project / "dvc.yaml").read_text())
     ids = []
     for entry in spec["plots"]:
         ((plot_id, plot),) = entry.items()
+        if plot_id == str(CHART_DIR):  # a folder of files, one chart each, with a template of its own
+            ids.append(fake_frontier(project, monkeypatch))
+            continue
         ids.append(plot_id)
         for name, fields in plot["y"].items():
             fields = [fields] if isinstance(fields, str) else fields
@@ -89,10 +108,10 @@ def rendered_charts(chromium: str, page: Path, profile: Path) -> dict[str, tuple
     return charts
 
 
-def test_dvc_plots_show_renders_every_chart(project: Path, tmp_path: Path) -> None:
+def test_dvc_plots_show_renders_every_chart(project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     chromium = find_chromium()
-    plot_ids = fake_plot_data(project)
-    assert {"reward", "kl", "score_histogram"} <= set(plot_ids)
+    plot_ids = fake_plot_data(project, monkeypatch)
+    assert {"reward", "kl", "score_histogram", "metrics_frontier_chart_cpu_json"} <= set(plot_ids)
 
     dvc(project, "plots", "show", "-o", "plots")
     page = project / "plots" / "local.html"

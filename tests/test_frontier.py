@@ -1,0 +1,200 @@
+"""The reward-KL frontier: sweep points as DVC experiments (cached upstream stages, reruns only of new or changed
+points), and the table and chart data built from those experiments."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from conftest import dvc
+from test_experiments import git_commit
+
+from stages.core.frontier import chart_points, frontier_rows, grid, member, same, write_frontier
+from stages.frontier import DEFAULT_KL_COEFS
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRESS = re.compile(r"^\[\d+/\d+\] (\S+): (ran in \d+ s|skipped .*)$", re.M)
+
+
+def test_grid_names_each_point_after_its_knob() -> None:
+    points = grid("offline-cpu", None, [0.05, 0.2], [3.0])
+    assert [p.name for p in points] == ["offline-cpu-kl0.05", "offline-cpu-kl0.2", "offline-cpu-target3"]
+    assert points[0].knob == {"ppo.adap_kl_ctrl": False, "ppo.init_kl_coef": 0.05}
+    assert points[2].knob == {"ppo.adap_kl_ctrl": True, "ppo.target": 3.0}
+    assert grid("params", "rloo", [1e-5], [])[0].name == "params-rloo-kl1e-05"
+    assert member("offline-cpu-rloo-kl0.05", "offline-cpu") == ("rloo", "kl0.05")
+    assert member("offline-cpu-target6", "offline-cpu") == ("default", "target6")
+    assert member("kl-0.05", "offline-cpu") is None and member("offline-gpu-kl0.05", "offline-cpu") is None
+
+
+def test_params_compare_as_values() -> None:
+    assert same({"a": [1, "x"], "b": 1e-05}, {"a": [1.0, "x"], "b": 0.00001})
+    assert not same(True, 1) and not same({"a": 1}, {"a": 1, "b": 2}) and not same(0.2, 0.20001)
+
+
+def experiment(kl: float, rm: float, vader: float, **params: object) -> dict:
+    evaluation = {"kl.mean": kl, "kl.full_mean": kl * 0.9, "policy.reward_mean": rm - 0.5,
+                  "policy.positive_rate": rm, "judge.vader.policy_positive_rate": vader,
+                  "fluency.ref_perplexity": 350 + 10 * kl, "diversity.distinct2": 0.87 - 0.01 * kl,
+                  "reference.reward_mean": -0.1, "reference.positive_rate": 0.41,
+                  "judge.vader.reference_positive_rate": 0.35, "fluency.reference_ref_perplexity": 350.0,
+                  "diversity.reference_distinct2": 0.874}
+    return {"params": {"ppo.steps": 80, **params},
+            "metrics": {"metrics/eval.json": evaluation, "metrics/ppo.json": {"seconds": 300.0}}}
+
+
+def test_rows_start_at_the_reference_and_keep_only_the_presets_sweeps(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    fixed = {"ppo.adap_kl_ctrl": False}
+    experiments = {
+        "cpu-kl0.05": experiment(7.9, 0.80, 0.50, **fixed, **{"ppo.init_kl_coef": 0.05}),
+        "cpu-kl0.4": experiment(1.5, 0.52, 0.41, **fixed, **{"ppo.init_kl_coef": 0.4}),
+        "cpu-rloo-target4": experiment(4.1, 0.70, 0.55, **{"ppo.adap_kl_ctrl": True, "ppo.target": 4.0}),
+        "cpu-kl0.1": {**experiment(5.0, 0.7, 0.5), "params": {"ppo.steps": 40}},  # another preset's params
+        "my-run": experiment(3.0, 0.6, 0.5),
+    }
+    rows = frontier_rows(experiments, "cpu", {"ppo.steps": 80})
+    assert [(r["series"], r["point"]) for r in rows] == [
+        ("default", "reference"), ("default", "kl0.4"), ("default", "kl0.05"),
+        ("rloo", "reference"), ("rloo", "target4")]
+    assert rows[0] | {"experiment": "", "kl.mean": 0.0, "policy.positive_rate": 0.41} == rows[0]
+    assert rows[0].get("ppo.seconds") is None and rows[0].get("ppo.init_kl_coef") is None
+    assert rows[0]["judge.vader.policy_positive_rate"] == 0.35 and rows[0]["fluency.ref_perplexity"] == 350.0
+    assert rows[2]["experiment"] == "cpu-kl0.05" and rows[2]["ppo.init_kl_coef"] == 0.05
+    assert rows[2]["kl.full_mean"] == pytest.approx(7.11) and rows[2]["ppo.seconds"] == 300.0
+
+    chart = chart_points(rows)
+    assert len(chart) == 2 * len(rows)
+    assert {"series": "rloo", "point": "target4", "experiment": "cpu-rloo-target4", "scorer": "vader",
+            "kl.mean": 4.1, "positive_rate": 0.55} in chart
+
+    monkeypatch.chdir(tmp_path)
+    table, chart_file = write_frontier(rows, "cpu")
+    written = pd.read_csv(table)
+    assert list(written.columns[:3]) == ["experiment", "series", "point"]
+    assert {"judge.vader.policy_positive_rate", "kl.full_mean", "diversity.distinct2"} <= set(written.columns)
+    assert len(written) == len(rows) and json.loads(chart_file.read_text()) == chart
+
+
+def run_frontier(project: Path, *args: str) -> subprocess.CompletedProcess:
+    """The command in ``project``, with this interpreter's dvc and python first on PATH (DVC runs the stages)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(ROOT), "DVC_NO_ANALYTICS": "1"}
+    return subprocess.run([sys.executable, "-m", "stages.frontier", *args], cwd=project, env=env, capture_output=True,
+                          text=True)
+
+
+def test_bad_arguments_fail_before_anything_runs(tmp_path: Path) -> None:
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "tiny.yaml").write_text("ppo:\n  steps: 2\n")
+    result = run_frontier(tmp_path, "tiny", "--set", "ppo.advantage_whiten=false")
+    assert result.stderr.strip() == "error: --set: name the series with --series (its points need names of their own)"
+    result = run_frontier(tmp_path, "tiny", "--series", "a b", "--kl-coef", "0.1")
+    assert result.returncode == 1 and result.stderr.strip().startswith("error: --series: 'tiny-a b' cannot start")
+    result = run_frontier(tmp_path, "tiny", "--kl-coef", "0.1,-1")
+    assert result.returncode == 2 and "values must be >= 0" in result.stderr
+
+
+def test_a_dry_run_of_a_shipped_preset_prints_the_default_grid_and_copies_nothing(
+        project: Path, imdb_dir: Path, tokenizer_dir: Path) -> None:
+    (project / "presets").mkdir()
+    (project / "presets" / "offline-cpu.yaml").write_text((ROOT / "presets" / "offline-cpu.yaml").read_text())
+    git_commit(project, "the preset")
+    result = run_frontier(project, "offline-cpu", "--imdb", str(imdb_dir), "--tokenizer", str(tokenizer_dir),
+                          "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert f"would copy {imdb_dir} -> data/raw/imdb" in result.stdout
+    commands = [line for line in result.stdout.splitlines() if line.startswith("dvc exp run")]
+    assert len(commands) == 5
+    assert [line.split()[4] for line in commands] == [f"offline-cpu-kl{c:g}" for c in DEFAULT_KL_COEFS]
+    assert all("-S ppo.steps=80 " in line and "-S ppo.adap_kl_ctrl=false " in line for line in commands)
+    assert not (project / "data" / "raw" / "imdb").exists()
+    assert [p.name for p in (project / "metrics" / "frontier").rglob("*") if p.is_file()] == [".keep.yaml"]
+
+
+def points_log(result: subprocess.CompletedProcess) -> dict[str, tuple[str, set[str]]]:
+    """{point: (its progress line's verdict, the stages DVC ran for it)} from the command's output."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log, out = {}, result.stdout + result.stderr
+    start = 0
+    for found in PROGRESS.finditer(out):
+        log[found[1]] = (found[2].split()[0], set(re.findall(r"Running stage '(\w+)'", out[start:found.start()])))
+        start = found.end()
+    return log
+
+
+def exp_show(project: Path) -> dict[str, dict]:
+    """{experiment name: its data} for the experiments of HEAD."""
+    rows = json.loads(dvc(project, "exp", "show", "--json").stdout)
+    return {exp["name"]: exp["revs"][0]["data"] for row in rows for exp in row.get("experiments") or []}
+
+
+@pytest.mark.slow
+def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_gpt2_dir: Path,
+                                            tiny_classifier_dir: Path) -> None:
+    (project / "presets").mkdir()
+    preset = {"data": {"source": str(imdb_dir)}, "model": {"policy": str(tiny_gpt2_dir)},
+              "reward": {"model": str(tiny_classifier_dir)},
+              "prepare": {"train_prompts": 8, "eval_prompts": 8, "train_pairs": 4, "test_pairs": 4},
+              "ppo": {"steps": 2, "batch_size": 4, "mini_batch_size": 4, "learning_rate": 1e-3,
+                      "response_min_tokens": 2, "response_max_tokens": 6, "checkpoint_every": 0},
+              "evaluate": {"judges": ["vader", str(tiny_classifier_dir)], "batch_size": 8, "examples": 2}}
+    (project / "presets" / "tiny.yaml").write_text(yaml.safe_dump(preset))
+    git_commit(project, "a tiny preset")
+
+    # the first point runs the whole DAG, the second only what the KL knob feeds
+    assert points_log(run_frontier(project, "tiny", "--kl-coef", "0.5,0.05")) == {
+        "tiny-kl0.5": ("ran", {"prepare", "sft", "reward", "ppo", "evaluate"}),
+        "tiny-kl0.05": ("ran", {"ppo", "evaluate"})}
+    shown = exp_show(project)
+    table = pd.read_csv(project / "metrics" / "frontier" / "tiny.csv")
+    assert table.loc[0, "point"] == "reference" and set(table["point"][1:]) == {"kl0.5", "kl0.05"}
+    for _, row in table.iloc[1:].iterrows():
+        evaluation = shown[row["experiment"]]["metrics"]["metrics/eval.json"]["data"]
+        for key in ("kl.mean", "kl.full_mean", "policy.positive_rate", "judge.vader.policy_positive_rate"):
+            assert row[key] == pytest.approx(evaluation[key]), key
+        assert row["ppo.init_kl_coef"] == shown[row["experiment"]]["params"]["params.yaml"]["data"]["ppo"][
+            "init_kl_coef"] and not row["ppo.adap_kl_ctrl"]
+    reference = shown["tiny-kl0.5"]["metrics"]["metrics/eval.json"]["data"]
+    judge = f"judge.{tiny_classifier_dir.name}"
+    assert table.loc[0, "kl.mean"] == 0
+    assert table.loc[0, "policy.positive_rate"] == reference["reference.positive_rate"]
+    assert table.loc[0, f"{judge}.policy_positive_rate"] == reference[f"{judge}.reference_positive_rate"]
+
+    # a second run with one more point runs only that one; the table gains its row
+    assert points_log(run_frontier(project, "tiny", "--kl-coef", "0.5,0.05", "--target", "4")) == {
+        "tiny-kl0.5": ("skipped", set()), "tiny-kl0.05": ("skipped", set()),
+        "tiny-target4": ("ran", {"ppo", "evaluate"})}
+    path = project / "metrics" / "frontier" / "tiny.csv"
+    table, written = pd.read_csv(path), path.read_bytes()
+    assert len(table) == 4 and table.set_index("point").loc["target4", "ppo.adap_kl_ctrl"]
+    path.unlink()
+    assert run_frontier(project, "tiny", "--collect").returncode == 0
+    assert path.read_bytes() == written
+
+    # points are matched by params, not by name: after a preset change every point is due again (and would replace
+    # its namesake); a dry run says so, runs nothing and writes nothing
+    shown = exp_show(project)
+    (project / "presets" / "tiny.yaml").write_text(yaml.safe_dump({**preset, "evaluate": {**preset["evaluate"],
+                                                                                          "examples": 1}}))
+    dry = run_frontier(project, "tiny", "--kl-coef", "0.5,0.05", "--target", "4", "--dry-run")
+    assert dry.returncode == 0 and not PROGRESS.search(dry.stdout)
+    for name in shown:
+        assert f"{name}: an experiment of that name has other params; replacing it" in dry.stdout
+        assert re.search(rf"^dvc exp run -n {name} .*-S evaluate.examples=1\b", dry.stdout, re.M), dry.stdout
+    assert "-S ppo.adap_kl_ctrl=true -S ppo.target=4.0 -S ppo.init_kl_coef=0.2" in dry.stdout
+    assert exp_show(project) == shown and path.read_bytes() == written
+
+
+def test_plots_show_reads_a_clone_without_a_frontier(project: Path) -> None:
+    """Before any sweep the chart folder holds only its placeholder: an empty chart, not a plot error."""
+    data = json.loads(dvc(project, "plots", "show", "--json").stdout)
+    assert {"reward", "kl", "score_histogram"} <= set(data["data"])
+    assert not [error for error in data.get("errors", []) if "frontier" in error["source"]], data["errors"]
