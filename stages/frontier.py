@@ -18,11 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ruamel.yaml import YAML, YAMLError
-
 from stages.core.errors import ParamsError, PipelineError, run_stage
 from stages.core.frontier import Point, frontier_rows, grid, same, write_frontier
-from stages.core.params import parse_params
+from stages.core.params import parse_params, parse_yaml
 from stages.recipe import as_override, ensure_local_inputs, flatten, load_preset, overlay
 
 NO_PRESET = "params"  # the name of a sweep over params.yaml as committed
@@ -67,10 +65,7 @@ def parse_sets(pairs: list[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ParamsError(f"--set: {pair!r} is not key=value")
-        try:
-            changes[key] = YAML(typ="safe", pure=True).load(value)
-        except YAMLError:
-            raise ParamsError(f"--set: {pair!r}: the value is not valid YAML") from None
+        changes[key] = parse_yaml(value, f"--set {pair!r}")
     return changes
 
 

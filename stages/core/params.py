@@ -417,26 +417,27 @@ def describe_params(stage: str) -> str:
 # reading and error messages
 
 
-def _yaml() -> YAML:
-    return YAML(typ="safe")
-
-
 def read_yaml(path: Path | str) -> Any:
-    """A YAML file as DVC reads it (DVC parses params with ruamel.yaml's safe loader and writes ``-S`` values back
-    with ruamel too): YAML 1.2, so ``1e-5``, ``5e-05``, ``3E-4``, ``.5`` and ``1_000`` are numbers, a quoted
-    ``'5e-05'`` stays a string, and ``yes``/``on`` are strings, not booleans. Every YAML the stages and the recipe
-    runner read goes through here."""
+    """A YAML file as DVC reads it (see ``parse_yaml``). Every YAML the stages and the recipe runners read goes
+    through here."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ParamsError(f"{path}: not found (run from the project root)") from None
+    return parse_yaml(text, str(path))
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text as DVC reads params (ruamel.yaml's safe loader; DVC writes ``-S`` values back with ruamel too): YAML
+    1.2, so ``1e-5``, ``5e-05``, ``3E-4``, ``.5`` and ``1_000`` are numbers, a quoted ``'5e-05'`` stays a string, and
+    ``yes``/``on`` are strings, not booleans. ``where`` names the text in the one-line error."""
     try:
-        return _yaml().load(text)
+        return YAML(typ="safe").load(text)
     except YAMLError as e:
         problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark is not None else ""
-        raise ParamsError(f"{path}: not valid YAML: {where}{problem or str(e).strip().splitlines()[0]}") from None
+        line = f"line {mark.line + 1}: " if mark is not None else ""
+        raise ParamsError(f"{where}: not valid YAML: {line}{problem or str(e).strip().splitlines()[0]}") from None
 
 
 def _check_keys(raw: Any, model: type[Section], prefix: str = "") -> None:
@@ -475,8 +476,8 @@ def _range(field: FieldInfo) -> str:
 def _quoted_number_hint(value: Any, number: tuple[type, ...]) -> str:
     """' (a string): write it without quotes' when ``value`` is a quoted spelling of the wanted kind of number."""
     try:
-        unquoted = _yaml().load(value) if isinstance(value, str) else None
-    except YAMLError:
+        unquoted = parse_yaml(value, "") if isinstance(value, str) else None
+    except ParamsError:
         return ""
     ok = isinstance(unquoted, number) and not isinstance(unquoted, bool)
     return " (a string): write it without quotes" if ok else ""
