@@ -142,9 +142,10 @@ class Linear:
 class StaticDecoder:
     """GPT-2 decoding of a batch of ``batch_size`` rows on buffers allocated once for ``max_len`` tokens a row.
 
-    ``tokens`` (B, T) holds each row's left-padded query, then its sampled tokens; slot ``s`` of the KV cache holds
-    the keys and values of ``tokens[:, s]``. ``slot`` (1,) is the slot of the token fed next, ``positions`` (B,)
-    its position id, ``attend`` (B, 1, 1, T) the slots attended (real query tokens and everything fed so far).
+    Slot ``s`` of the KV cache holds the keys and values of the ``s``-th token of each row: the left-padded query's
+    (from the prompt's forward pass), then the sampled ones', which ``tokens`` (B, T) holds from slot P on.
+    ``slot`` (1,) is the slot of the token fed next, ``positions`` (B,) its position id, ``attend`` (B, 1, 1, T) the
+    slots attended (real query tokens and everything fed so far).
 
     ``trim``: attention reads only the slots filled so far (their count kept in Python as well), which reproduces
     Hugging Face's cached forward bit for bit, also in bf16. Untrimmed, it reads all T slots under the mask: the
@@ -186,7 +187,6 @@ class StaticDecoder:
             values[:, :, :P].copy_(layer.values)
         self.attend.zero_()
         self.attend[:, 0, 0, :P] = query_mask.bool()
-        self.tokens[:, :P] = queries
         self.tokens[:, P] = sample_tokens(lm_head(self.lm, out.last_hidden_state[:, -1]), self.sampling)
         self.positions.copy_(positions[:, -1] + 1)
         self.slot.fill_(P)
