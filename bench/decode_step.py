@@ -6,10 +6,11 @@
 ``static`` (``decoding.decode``, what ``rollout.generate`` runs: the static KV cache, on CUDA a CUDA graph unless
 ``--no-cuda-graph``) and ``dynamic`` (``decoding.decode_dynamic``: Hugging Face's forward and dynamic cache, the loop
 ``generate`` ran before). One decoding step costs the difference between decoding 1 + N tokens and 1 token, divided
-by N: the prompt's forward pass (prefill) and the first token cancel out; the two are timed in alternation and the
-median of the differences taken, so a load change on a shared machine hits both alike. Operator calls per step are
-counted the same way in ``torch.profiler``: every ``aten::`` call (nested ones included: each goes through the
-dispatcher) and the top-level ones (each a call from Python). Prints a table and, last, one JSON line.
+by N: the prompt's forward pass (prefill) and the first token cancel out. The two are timed in alternation, the
+decoders take turns (in an order reversed every other time), and the medians of the differences are taken, so a
+load change on a shared machine hits all alike. Operator calls per step are counted the same way in
+``torch.profiler``: every ``aten::`` call (nested ones included: each goes through the dispatcher) and the top-level
+ones (each a call from Python). Prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -80,16 +81,26 @@ def op_counts(run: Callable[[int], torch.Tensor], n: int) -> tuple[Counter, int]
     return Counter(e.name for e in events), top_level
 
 
-def measure(run: Callable[[int], torch.Tensor], tokens: int, iters: int) -> dict:
-    run(1 + tokens)  # warm-up: allocator, lazy init, CUDA graph capture
-    pairs = [(seconds(run, 1), seconds(run, 1 + tokens)) for _ in range(iters)]
-    first = statistics.median(p[0] for p in pairs)
-    per_step = statistics.median(p[1] - p[0] for p in pairs) / tokens
-    (ops, top), (ops_first, top_first) = op_counts(run, 1 + tokens), op_counts(run, 1)
-    ops.subtract(ops_first)
-    return {"first_token_ms": round(first * 1e3, 3), "ms_per_step": round(per_step * 1e3, 3),
+def measure(runs: dict[str, Callable[[int], torch.Tensor]], tokens: int, iters: int) -> dict[str, dict]:
+    """Each decoder's first-token time, time per step and operator calls per step; the decoders take turns in every
+    repetition, so a load change on a shared machine hits them alike, in an order reversed every other repetition
+    (whichever runs first after another decoder ran measured up to 10% slower on CPU)."""
+    pairs: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    for run in runs.values():
+        run(1 + tokens)  # warm-up: allocator, lazy init, CUDA graph capture
+    for i in range(iters):
+        for name in list(runs)[:: 1 if i % 2 == 0 else -1]:
+            pairs[name].append((seconds(runs[name], 1), seconds(runs[name], 1 + tokens)))
+    results = {}
+    for name, run in runs.items():
+        (ops, top), (ops_first, top_first) = op_counts(run, 1 + tokens), op_counts(run, 1)
+        ops.subtract(ops_first)
+        results[name] = {
+            "first_token_ms": round(statistics.median(p[0] for p in pairs[name]) * 1e3, 3),
+            "ms_per_step": round(statistics.median(p[1] - p[0] for p in pairs[name]) / tokens * 1e3, 3),
             "ops_per_step": round(ops.total() / tokens, 1),
             "top_level_ops_per_step": round((top - top_first) / tokens, 1), "ops": ops}
+    return results
 
 
 def main() -> None:
@@ -116,11 +127,10 @@ def main() -> None:
     device, bf16 = pick_device(), use_bf16(args.precision)
     print(f"{args.config} ({cfg.n_layer} layers x {cfg.n_embd}, vocab {cfg.vocab_size}), batch {batch}, "
           f"{'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads, {device.type}")
-    results = {}
-    for name in names:
-        r = measure(decoder(name, cfg, batch, bf16, device, args.cuda_graph), args.tokens, args.iters)
+    results = measure({name: decoder(name, cfg, batch, bf16, device, args.cuda_graph) for name in names},
+                      args.tokens, args.iters)
+    for name, r in results.items():
         ops = r.pop("ops")
-        results[name] = r
         print(f"{name:>8}: prefill + first token {r['first_token_ms']:.2f} ms; per decoding step "
               f"{r['ms_per_step']:.3f} ms, {r['ops_per_step']:.1f} aten calls ({r['top_level_ops_per_step']:.1f} "
               "from Python)")
