@@ -144,8 +144,9 @@ class StaticDecoder:
 
     Slot ``s`` of the KV cache holds the keys and values of the ``s``-th token of each row: the left-padded query's
     (from the prompt's forward pass), then the sampled ones', which ``tokens`` (B, T) holds from slot P on.
-    ``slot`` (1,) is the slot of the token fed next, ``positions`` (B,) its position id, ``attend`` (B, 1, 1, T) the
-    slots attended (real query tokens and everything fed so far).
+    ``slot`` (1,) is the slot of the token fed next, ``positions`` (B,) its position id, ``bias`` (B, 1, 1, T) the
+    attention mask, 0 on the slots attended (real query tokens and everything fed so far) and -inf elsewhere: additive
+    and in the compute dtype, what SDPA would otherwise make of a boolean mask in every layer.
 
     ``trim``: attention reads only the slots filled so far (their count kept in Python as well), which reproduces
     Hugging Face's cached forward bit for bit, also in bf16. Untrimmed, it reads all T slots under the mask: the
@@ -165,7 +166,7 @@ class StaticDecoder:
         shape = (B, H, T, config.n_embd // H)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.body.h]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.body.h]
-        self.attend = torch.zeros((B, 1, 1, T), dtype=torch.bool, device=device)
+        self.bias = torch.zeros((B, 1, 1, T), dtype=dtype, device=device)
         self.tokens = torch.zeros((B, T), dtype=torch.long, device=device)
         self.positions = torch.zeros(B, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
@@ -185,8 +186,8 @@ class StaticDecoder:
         for keys, values, layer in zip(self.keys, self.values, out.past_key_values.layers, strict=True):
             keys[:, :, :P].copy_(layer.keys)
             values[:, :, :P].copy_(layer.values)
-        self.attend.zero_()
-        self.attend[:, 0, 0, :P] = query_mask.bool()
+        self.bias.fill_(float("-inf"))
+        self.bias[:, 0, 0, :P].masked_fill_(query_mask.bool(), 0.0)
         self.tokens[:, P] = sample_tokens(lm_head(self.lm, out.last_hidden_state[:, -1]), self.sampling)
         self.positions.copy_(positions[:, -1] + 1)
         self.slot.fill_(P)
@@ -206,7 +207,7 @@ class StaticDecoder:
         body = self.body
         x = F.embedding(self.tokens.index_select(1, self.slot).squeeze(1), body.wte.weight)
         x = x + F.embedding(self.positions, body.wpe.weight)
-        self.attend.index_fill_(-1, self.slot, True)
+        self.bias.index_fill_(-1, self.slot, 0.0)
         for i, (block, (qkv_proj, out_proj, fc, fc_proj)) in enumerate(zip(body.h, self.linears, strict=True)):
             x = x + out_proj(self.attention(i, qkv_proj(layer_norm(block.ln_1, x)), block.attn.scaling))
             x = x + fc_proj(block.mlp.act(fc(layer_norm(block.ln_2, x))))
@@ -216,12 +217,12 @@ class StaticDecoder:
         """(B, 3E) queries, keys and values of the fed token -> (B, E) attention output over the attended slots."""
         B, H = len(qkv), self.keys[layer].shape[1]
         q, k, v = qkv.view(B, 3, H, 1, -1).unbind(1)  # each (B, H, 1, D)
-        keys, values, attend = self.keys[layer], self.values[layer], self.attend
+        keys, values, bias = self.keys[layer], self.values[layer], self.bias
         keys.index_copy_(2, self.slot, k)
         values.index_copy_(2, self.slot, v)
         if self.trim:
-            keys, values, attend = keys[:, :, :self.filled], values[:, :, :self.filled], attend[..., :self.filled]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, scale=scaling)
+            keys, values, bias = keys[:, :, :self.filled], values[:, :, :self.filled], bias[..., :self.filled]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scaling)
         return out.reshape(B, -1)
 
 
