@@ -53,6 +53,11 @@ CONFIGS = {
                              new_tokens=16),
     "bench-gpu": BenchConfig("bench-gpu", 12, 768, 12, 50257, batch_size=128, mini_batch_size=128, ppo_epochs=4,
                              new_tokens=16),
+    # GPT-2-medium and GPT-2-large shapes, the batch of bench-gpu
+    "bench-gpu-medium": BenchConfig("bench-gpu-medium", 24, 1024, 16, 50257, batch_size=128, mini_batch_size=128,
+                                    ppo_epochs=4, new_tokens=16),
+    "bench-gpu-large": BenchConfig("bench-gpu-large", 36, 1280, 20, 50257, batch_size=128, mini_batch_size=128,
+                                   ppo_epochs=4, new_tokens=16),
     # a smoke-test size: seconds, not minutes
     "toy": BenchConfig("toy", 2, 64, 2, 50257, batch_size=8, mini_batch_size=4, ppo_epochs=1, new_tokens=8),
 }

@@ -6,15 +6,26 @@ The TRL peers run in their own venvs (bench/.venvs), which tests never build; `p
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
-from bench import compare, ppo_step
-from bench.configs import CONFIGS, load_prompts, mean_padded_length, pass_flops, sample_prompts, stand_in_score
+from bench import compare, decode_step, ppo_step
+from bench.configs import (
+    CONFIGS,
+    add_common_args,
+    load_prompts,
+    mean_padded_length,
+    pass_flops,
+    sample_prompts,
+    stand_in_score,
+)
 from stages.core.modeling import load_tokenizer
 from stages.core.params import ModelParams
 
@@ -51,18 +62,22 @@ def test_pass_flops_counts_each_weight_at_each_position_it_runs_on() -> None:
     assert pass_flops(cfg, 24, 16) * 3 == pytest.approx(ours)  # forward alone: a third of forward + backward
 
 
+def run_main(module: ModuleType, args: list[str], monkeypatch: pytest.MonkeyPatch, capsys) -> dict:
+    """Run a benchmark script's ``main`` with ``args``; its result, the JSON object on its last line."""
+    monkeypatch.setattr(sys, "argv", [module.__name__, *args])
+    threads = torch.get_num_threads()
+    try:
+        module.main()
+    finally:  # --threads 1 is process-wide: later tests would run (and learn) differently
+        torch.set_num_threads(threads)
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 def test_ppo_step_runs_the_trainer_and_prints_the_result_line(tokenizer_dir: Path, imdb_dir: Path, capsys,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    argv = ["bench.ppo_step", "--config", "toy", "--iters", "1", "--threads", "1", "--data", str(imdb_dir),
-            "--tokenizer", str(tokenizer_dir)]
-    monkeypatch.setattr(sys, "argv", argv)
-    threads = torch.get_num_threads()
-    try:
-        ppo_step.main()
-    finally:  # --threads 1 is process-wide: later tests would run (and learn) differently
-        torch.set_num_threads(threads)
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    result = run_main(ppo_step, ["--config", "toy", "--iters", "1", "--threads", "1", "--data", str(imdb_dir),
+                                 "--tokenizer", str(tokenizer_dir)], monkeypatch, capsys)
 
     cfg = CONFIGS["toy"]
     assert result.keys() >= INTERFACE_KEYS
@@ -89,3 +104,44 @@ def test_compare_ratio_is_each_runner_s_per_iter_over_ours(capsys) -> None:
     ratios = compare.print_table({"ours": row | {"s_per_iter": 4.0}, "trl112": row | {"s_per_iter": 10.0}}, 100.0)
     assert ratios == {"ours": 1.0, "trl112": 2.5}
     assert "2.50x" in capsys.readouterr().out
+
+
+GPU_SHAPES = {"bench-gpu-medium": (24, 1024, 16), "bench-gpu-large": (36, 1280, 20)}
+
+
+@pytest.mark.parametrize("name", GPU_SHAPES)
+def test_gpu_shape_configs_keep_bench_gpu_s_batch(name: str) -> None:
+    cfg, gpu = CONFIGS[name], CONFIGS["bench-gpu"]
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head) == GPU_SHAPES[name]
+    assert cfg.n_embd % cfg.n_head == 0
+    keep = ("vocab_size", "batch_size", "mini_batch_size", "ppo_epochs", "new_tokens", "n_positions")
+    assert [getattr(cfg, k) for k in keep] == [getattr(gpu, k) for k in keep]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GPU_SHAPES)
+def test_ppo_step_and_compare_accept_the_gpu_shape_configs(name: str, tokenizer_dir: Path, imdb_dir: Path, capsys,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The names go through both command lines; ours runs one iteration of the config shrunk to a CPU-test size
+    (its real size is for a GPU)."""
+    monkeypatch.setitem(CONFIGS, name, dataclasses.replace(CONFIGS[name], n_layer=1, n_embd=2 * CONFIGS[name].n_head,
+                                                           batch_size=4, mini_batch_size=4, ppo_epochs=1))
+    parser = argparse.ArgumentParser()
+    add_common_args(parser)
+    assert parser.parse_args(["--config", name]).config == name  # what bench.compare (and the peers) parse
+    result = run_main(ppo_step, ["--config", name, "--iters", "1", "--threads", "1", "--data", str(imdb_dir),
+                                 "--tokenizer", str(tokenizer_dir)], monkeypatch, capsys)
+    assert (result["config"], result["iters"]) == (name, 1)
+    assert result["s_per_iter"] > 0
+
+
+@pytest.mark.slow
+def test_decode_step_counts_fewer_python_calls_for_the_static_decoder(capsys,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    result = run_main(decode_step, ["--config", "toy", "--batch", "2", "--tokens", "3", "--iters", "1", "--threads",
+                                    "1", "--precision", "fp32"], monkeypatch, capsys)
+    static, dynamic = result["static"], result["dynamic"]
+    assert (result["config"], result["batch"], result["tokens"]) == ("toy", 2, 3)
+    # operator counts are deterministic (timings on a shared CPU are not: they are printed, not asserted)
+    assert 0 < static["top_level_ops_per_step"] < dynamic["top_level_ops_per_step"]
+    assert 0 < static["ops_per_step"] < dynamic["ops_per_step"]

@@ -11,15 +11,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from stages.core.policy import PolicyWithValueHead, lm_head, position_ids_from, response_logits
+from stages.core.decoding import SamplingParams, decode
+from stages.core.policy import PolicyWithValueHead, response_logits
 from stages.core.ppo import logprobs_and_entropy
-
-
-@dataclass
-class SamplingParams:
-    top_k: int = 0
-    top_p: float = 1.0
-    temperature: float = 1.0
 
 
 @dataclass
@@ -52,61 +46,20 @@ def left_pad(query_ids: list[list[int]], pad_id: int, device: torch.device) -> t
     return ids.to(device), mask.to(device)
 
 
-def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """(B, V) next-token logits -> the logits sampling draws from: divided by the temperature, then only the
-    ``top_k`` largest and the smallest set of tokens holding ``top_p`` of the probability kept (the rest -inf), as
-    Hugging Face's temperature, top-k and top-p warpers do, in that order."""
-    if sampling.temperature != 1.0:
-        logits = logits / sampling.temperature
-    if 0 < sampling.top_k < logits.shape[-1]:
-        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1)  # ascending
-        outside = sorted_logits.softmax(-1).cumsum(-1) <= 1 - sampling.top_p
-        outside[:, -1] = False  # the most likely token always stays
-        logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
-    return logits
-
-
-def sample_tokens(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """(B, V) next-token logits -> (B,) sampled token ids; top_k 1 is greedy decoding.
-
-    Inverse-CDF sampling: one uniform draw per row where ``torch.multinomial`` draws one exponential per vocabulary
-    entry (50k per row, most of the sampling time on a CPU).
-    """
-    if sampling.top_k == 1:
-        return logits.argmax(-1)
-    cdf = filter_logits(logits.float(), sampling).softmax(-1).cumsum(-1)  # (B, V)
-    u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]
-    # right=True: the first token whose cdf exceeds u, so a zero-probability token (a flat step) is never drawn
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-
-
 @torch.no_grad()
 def generate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids: list[list[int]],
-             lengths: list[int], sampling: SamplingParams) -> Samples:
-    """Sample all responses in one batched decoding loop (KV cache), up to the longest length, then cut each row.
+             lengths: list[int], sampling: SamplingParams, cuda_graph: bool = True) -> Samples:
+    """Sample all responses in one batched decoding loop (``decoding.decode``), up to the longest length, then cut
+    each row. ``cuda_graph``: on CUDA, replay the decoding step as a CUDA graph (no effect elsewhere).
 
     A row that samples EOS stops there: the EOS token stays in the response (its choice is part of the action) and
-    what follows is masked. The LM head runs in fp32 on the last position only, as in the training forward.
+    what follows is masked.
     """
     was_training = lm.training
     lm.eval()
     queries, query_mask = left_pad(query_ids, tokenizer.pad_token_id, lm.device)
-    (B, P), R = queries.shape, max(lengths)
-    responses = torch.empty((B, R), dtype=torch.long, device=lm.device)
-    attention_mask, positions = query_mask, position_ids_from(query_mask)
-    out = lm.base_model(input_ids=queries, attention_mask=attention_mask, position_ids=positions, use_cache=True)
-    for t in range(R):
-        responses[:, t] = sample_tokens(lm_head(lm, out.last_hidden_state[:, -1]), sampling)
-        if t == R - 1:
-            break
-        # every sampled token is attended while decoding; the cut at each row's length and EOS comes after
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
-        positions = positions[:, -1:] + 1
-        out = lm.base_model(input_ids=responses[:, t: t + 1], attention_mask=attention_mask, position_ids=positions,
-                            past_key_values=out.past_key_values, use_cache=True)
+    P, R = queries.shape[1], max(lengths)
+    responses = decode(lm, queries, query_mask, R, sampling, cuda_graph)
     lm.train(was_training)
     length_mask = torch.arange(R, device=lm.device) < torch.tensor(lengths, device=lm.device)[:, None]
     is_eos = (responses == tokenizer.eos_token_id) & length_mask

@@ -1,0 +1,157 @@
+"""The decoding loops: the static KV-cache decoder samples exactly what Hugging Face's forward with its dynamic cache
+samples, one step at a time, in fp32 and under bf16 autocast; a decoder reused for another batch (as a CUDA graph
+is) decodes it like a fresh one; other architectures take the dynamic loop; on CUDA the graph replays the eager
+step."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from stages.core.decoding import (
+    GraphedDecoder,
+    SamplingParams,
+    StaticDecoder,
+    decode,
+    decode_dynamic,
+    graphed_decoder,
+    static_decoding_supports,
+)
+from stages.core.modeling import load_causal_lm
+from stages.core.params import ModelParams
+from stages.core.policy import position_ids_from
+from stages.core.rollout import left_pad
+
+SAMPLINGS = [SamplingParams(), SamplingParams(top_k=1), SamplingParams(top_k=20, top_p=0.9, temperature=0.7)]
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_gpt2_dir: Path) -> PreTrainedModel:
+    return load_causal_lm(str(tiny_gpt2_dir), ModelParams()).eval()
+
+
+def prompts(lm: PreTrainedModel, n: int = 6, seed: int = 0, max_len: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` left-padded prompts of 1 to ``max_len`` random tokens (the longest exactly ``max_len``)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [max_len] + torch.randint(1, max_len + 1, (n - 1,), generator=g).tolist()
+    ids = [torch.randint(0, lm.config.vocab_size, (k,), generator=g).tolist() for k in lengths]
+    return left_pad(ids, lm.config.eos_token_id, lm.device)
+
+
+def precision(name: str, device: str = "cpu") -> contextlib.AbstractContextManager:
+    dtype = PRECISIONS[name]
+    return torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def seeded(seed: int, fn, *args, **kwargs) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", PRECISIONS)
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+def test_static_decoder_samples_what_the_dynamic_cache_loop_samples(lm: PreTrainedModel, sampling: SamplingParams,
+                                                                    name: str) -> None:
+    queries, mask = prompts(lm)
+    with precision(name):
+        for seed in range(3):
+            dynamic = seeded(seed, decode_dynamic, lm, queries, mask, NEW_TOKENS, sampling)
+            static = seeded(seed, decode, lm, queries, mask, NEW_TOKENS, sampling)
+            assert torch.equal(static, dynamic), seed
+
+
+@pytest.mark.parametrize("trim", [True, False], ids=["trimmed", "all-slots"])
+@pytest.mark.parametrize("name", PRECISIONS)
+def test_each_static_step_computes_hugging_face_s_cached_hidden_state(lm: PreTrainedModel, name: str,
+                                                                      trim: bool) -> None:
+    queries, mask = prompts(lm, seed=1)
+    P = queries.shape[1]
+    with precision(name), torch.no_grad():
+        decoder = StaticDecoder(lm, len(queries), P + NEW_TOKENS + 5, SamplingParams(), trim=trim)
+        decoder.start(queries, mask)
+        out = lm.base_model(input_ids=queries, attention_mask=mask, position_ids=position_ids_from(mask),
+                            use_cache=True)
+        for t in range(NEW_TOKENS - 1):
+            static = decoder.hidden()  # the step below writes the same keys and values again
+            decoder.step()
+            mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+            out = lm.base_model(input_ids=decoder.tokens[:, P + t: P + t + 1], attention_mask=mask,
+                                position_ids=position_ids_from(mask)[:, -1:], past_key_values=out.past_key_values,
+                                use_cache=True)
+            expected = out.last_hidden_state[:, -1]
+            if trim:  # the same operators on the same operands
+                assert torch.equal(static, expected), t
+            else:  # the attention also sees the masked empty slots: in bf16 its output can round one bit apart
+                torch.testing.assert_close(static, expected, rtol=0, atol=1e-5 if name == "fp32" else 1e-2)
+
+
+def test_a_reused_decoder_decodes_a_new_batch_like_a_fresh_one(lm: PreTrainedModel) -> None:
+    """The contract a CUDA graph relies on: ``start`` resets everything ``step`` reads, whatever ran before."""
+    sampling = SamplingParams()
+    first, first_mask = prompts(lm, seed=2, max_len=9)
+    second, second_mask = prompts(lm, seed=3, max_len=4)
+    # untrimmed, as a CUDA graph runs it, with room for more slots than either batch needs
+    reused = StaticDecoder(lm, len(first), 32, sampling, trim=False)
+    fresh = StaticDecoder(lm, len(second), 32, sampling, trim=False)
+
+    def run(decoder: StaticDecoder, queries: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            decoder.start(queries, mask)
+            for _ in range(NEW_TOKENS - 1):
+                decoder.step()
+        P = queries.shape[1]
+        return decoder.tokens[:, P: P + NEW_TOKENS].clone()
+
+    run(reused, first, first_mask)
+    assert torch.equal(run(reused, second, second_mask), run(fresh, second, second_mask))
+
+
+def test_other_architectures_decode_through_the_dynamic_cache_loop(lm: PreTrainedModel) -> None:
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=lm.config.vocab_size, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)).eval()
+    assert static_decoding_supports(lm) and not static_decoding_supports(llama)
+    queries, mask = prompts(lm)
+    tokens = seeded(0, decode, llama, queries, mask, NEW_TOKENS, SamplingParams(top_k=1))
+    assert torch.equal(tokens, seeded(0, decode_dynamic, llama, queries, mask, NEW_TOKENS, SamplingParams(top_k=1)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; the eager step they "
+                                                          "capture is tested above")
+@pytest.mark.parametrize("name", PRECISIONS)
+def test_the_cuda_graph_replays_the_eager_static_step(lm: PreTrainedModel, name: str) -> None:
+    gpu = lm.to("cuda")
+    greedy = SamplingParams(top_k=1)
+    try:
+        with precision(name, "cuda"):
+            for seed, max_len in ((4, 9), (5, 3)):  # a second batch, shorter prompts: the same graph, reused
+                queries, mask = (t.cuda() for t in prompts(gpu, seed=seed, max_len=max_len))
+                graphed = graphed_decoder(gpu, len(queries), queries.shape[1] + NEW_TOKENS, greedy)
+                assert isinstance(graphed, GraphedDecoder)  # not the eager fallback of a failed capture
+                slots = graphed.tokens.shape[1]
+                with torch.no_grad():
+                    graphed.start(queries, mask)
+                    for _ in range(NEW_TOKENS - 1):
+                        graphed.step()
+                    eager = StaticDecoder(gpu, len(queries), slots, greedy, trim=False)  # the graph's shapes
+                    eager.start(queries, mask)
+                    torch.cuda.set_sync_debug_mode("error")  # a step that waited for the GPU would raise
+                    try:
+                        for _ in range(NEW_TOKENS - 1):
+                            eager.step()
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                assert torch.equal(graphed.tokens[:, :queries.shape[1] + NEW_TOKENS],
+                                   eager.tokens[:, :queries.shape[1] + NEW_TOKENS])
+            assert graphed_decoder(gpu, len(queries), queries.shape[1] + NEW_TOKENS, greedy) is graphed
+            sampled = seeded(0, decode, gpu, queries, mask, NEW_TOKENS, SamplingParams())
+            assert sampled.shape == (len(queries), NEW_TOKENS) and sampled.max() < gpu.config.vocab_size
+    finally:
+        lm.to("cpu")
