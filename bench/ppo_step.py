@@ -4,15 +4,21 @@ Drives the real ``PPOTrainer.step`` (the ppo stage's code path) on a randomly in
 with IMDb prompts and the stand-in scorer. One warm-up iteration is not counted. Prints a per-phase table, then, as
 its last line, one JSON object (``bench.configs.summarize``): config, iters, s_per_iter (median wall time of a whole
 iteration), generate_s, score_s, forward_s, update_s, samples_per_s, tokens_per_s, peak_mem_mb, update_gflops,
-peak_gflops, update_share_of_peak, learn_gflops, prompts_sha1.
+peak_gflops, update_share_of_peak, learn_gflops, prompts_sha1, estimator, samples_per_prompt.
+
+``--estimator rloo --samples-per-prompt 4`` times another ppo.advantage_estimator at the same batch_size (samples):
+each iteration answers the first batch_size / k prompts of its batch k times each. ``--value-model separate`` gives
+gae its own critic.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import typing
 
 import torch
+from pydantic import ValidationError
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from bench.configs import (
@@ -31,7 +37,7 @@ from bench.configs import (
     use_bf16,
 )
 from stages.core.modeling import fast_activations, load_tokenizer
-from stages.core.params import ModelParams, PpoParams
+from stages.core.params import ModelParams, PpoParams, Rule
 from stages.core.policy import PolicyWithValueHead, disable_dropout
 from stages.core.trainer import PPOTrainer
 from stages.core.training import pick_device
@@ -48,32 +54,50 @@ class StandInScorer:
         return torch.tensor([stand_in_score(r) for r in ids], dtype=torch.float32)
 
 
-def build_trainer(cfg: BenchConfig, tokenizer, device: torch.device, bf16: bool) -> PPOTrainer:
+def ppo_params(cfg: BenchConfig, args: argparse.Namespace) -> PpoParams:
+    """The config's PPO settings with the command line's estimator; a broken rule ends the run with one line."""
+    try:
+        return PpoParams(batch_size=cfg.batch_size, mini_batch_size=cfg.mini_batch_size, ppo_epochs=cfg.ppo_epochs,
+                         learning_rate=cfg.learning_rate, response_min_tokens=cfg.new_tokens,
+                         response_max_tokens=cfg.new_tokens, advantage_estimator=args.estimator,
+                         samples_per_prompt=args.samples_per_prompt, value_model=args.value_model)
+    except ValidationError as e:
+        error = e.errors()[0]
+        rule = (error.get("ctx") or {}).get("error")
+        key, message = (rule.key, rule.rule) if isinstance(rule, Rule) else (error["loc"][0], error["msg"])
+        raise SystemExit(f"ppo.{key}: {message} (--config {cfg.name} with the command line's options)") from None
+
+
+def build_trainer(cfg: BenchConfig, ppo: PpoParams, tokenizer, device: torch.device, bf16: bool) -> PPOTrainer:
     torch.manual_seed(0)
     config = GPT2Config(**gpt2_config_kwargs(cfg, tokenizer.eos_token_id))
     lm, ref = fast_activations(GPT2LMHeadModel(config)), fast_activations(GPT2LMHeadModel(config))
     ref.load_state_dict(lm.state_dict())
     disable_dropout(lm)
     disable_dropout(ref)
-    ppo = PpoParams(batch_size=cfg.batch_size, mini_batch_size=cfg.mini_batch_size, ppo_epochs=cfg.ppo_epochs,
-                    learning_rate=cfg.learning_rate, response_min_tokens=cfg.new_tokens,
-                    response_max_tokens=cfg.new_tokens)
-    return PPOTrainer(PolicyWithValueHead(lm).to(device), ref.to(device), tokenizer, StandInScorer(tokenizer), ppo,
-                      device, "bf16" if bf16 else "fp32")
+    return PPOTrainer(PolicyWithValueHead(lm, ppo.critic).to(device), ref.to(device), tokenizer,
+                      StandInScorer(tokenizer), ppo, device, "bf16" if bf16 else "fp32")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
+    parser.add_argument("--estimator", choices=typing.get_args(PpoParams.model_fields["advantage_estimator"]
+                                                               .annotation), default="gae",
+                        help="ppo.advantage_estimator")
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.samples_per_prompt (k)")
+    parser.add_argument("--value-model", choices=["shared", "separate"], default="shared",
+                        help="ppo.value_model (gae only)")
     args = parser.parse_args()
     set_threads(args.threads)
 
     cfg = CONFIGS[args.config]
     device = pick_device()
+    ppo = ppo_params(cfg, args)
     tokenizer = load_tokenizer(args.tokenizer, ModelParams(), what="--tokenizer")
-    batches = load_prompts(args.data, tokenizer, cfg, args.iters)
+    batches = [batch[: ppo.prompts_per_step] for batch in load_prompts(args.data, tokenizer, cfg, args.iters)]
     bf16 = use_bf16(args.precision)
-    trainer = build_trainer(cfg, tokenizer, device, bf16)
+    trainer = build_trainer(cfg, ppo, tokenizer, device, bf16)
 
     rows = []
     for i, batch in enumerate(batches):
@@ -85,13 +109,18 @@ def main() -> None:
         if i > 0:  # the first iteration pays one-time costs (allocator warm-up, lazy init)
             rows.append(row)
 
-    # bodies run over the padded batch, LM heads over the response positions only; the value head shares the body
+    # bodies run over the padded batch, LM heads over the response positions only; a shared value head costs no
+    # body, a separate critic one more
+    critic = ppo.critic
     positions = mean_padded_length(cfg, batches[1:])
-    update = cfg.ppo_epochs * pass_flops(cfg, positions, cfg.new_tokens, backward=True)
-    forward = pass_flops(cfg, positions, cfg.new_tokens, bodies=2, heads=2)  # policy + reference
+    bodies = 2 if critic == "separate" else 1
+    update = cfg.ppo_epochs * pass_flops(cfg, positions, cfg.new_tokens, bodies=bodies, backward=True)
+    forward = pass_flops(cfg, positions, cfg.new_tokens, bodies=1 + bodies, heads=2)  # policy (+ critic) + reference
+    notes = f"{critic} value head" if critic else "no value head"
     result = summarize("ours", cfg, batches, rows, update, forward, bf16,
-                       notes="shared value head; LM head on response positions only")
-    print(json.dumps(result))
+                       notes=f"{ppo.advantage_estimator}, k={ppo.samples_per_prompt}; {notes}; LM head on response "
+                             "positions only")
+    print(json.dumps(result | {"estimator": ppo.advantage_estimator, "samples_per_prompt": ppo.samples_per_prompt}))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Reads   data/prompts/train.parquet, the initial policy and reference (models/sft
         model.policy), the reward (models/reward when reward.train, else reward.model)
 Params  STAGE_PARAMS["ppo"] in stages/core/params.py (listed by --help)
 Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM), value_head.safetensors beside it
+                                (gae only: the other estimators train no value head)
         data/rollouts/*.parquet one row per sample per step
         metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput)
         metrics/ppo.json        summary
@@ -11,8 +12,12 @@ Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM
 With ppo.checkpoint_every > 0 the run saves a checkpoint at every rollout-log flush and, rerun after a kill, resumes
 from the newest one (see stages/core/checkpoint.py).
 
+ppo.advantage_estimator picks the advantages: gae (PPO with a value head) or the critic-free rloo, grpo and
+reinforce_pp; each step draws ppo.batch_size / ppo.samples_per_prompt prompts and answers each samples_per_prompt
+times.
+
 Multi-process: ``accelerate launch --num_processes N -m stages.ppo`` on GPUs, ``torchrun --nproc_per_node N -m
-stages.ppo`` on CPU (each process samples ppo.batch_size prompts).
+stages.ppo`` on CPU (each process samples ppo.batch_size responses).
 """
 
 from __future__ import annotations
@@ -56,8 +61,11 @@ def main() -> None:
     params = load_params()
     cfg = params.ppo
     prompts = read_prompts(TRAIN_PROMPTS)
-    if len(prompts) < cfg.batch_size:
-        raise DataError(f"{TRAIN_PROMPTS}: {len(prompts)} prompts, fewer than ppo.batch_size={cfg.batch_size}")
+    if len(prompts) < cfg.prompts_per_step:
+        raise DataError(f"{TRAIN_PROMPTS}: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} a step "
+                        f"needs (ppo.batch_size={cfg.batch_size} / ppo.samples_per_prompt={cfg.samples_per_prompt})")
+    if cfg.unused_keys:
+        log.info("ppo: advantage_estimator %s ignores %s", cfg.advantage_estimator, ", ".join(cfg.unused_keys))
     accelerator = Accelerator(cpu=pick_device().type == "cpu")
     device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
     seed_everything(params.seed + rank)
@@ -68,7 +76,7 @@ def main() -> None:
                          accelerator if accelerator.num_processes > 1 else None,
                          length_generator=torch.Generator().manual_seed(params.seed + rank))
     # every process draws the same permutations (one seed) and takes its own slice of each global batch
-    order = ShuffledBatches(len(prompts), cfg.batch_size, torch.Generator().manual_seed(params.seed), rank,
+    order = ShuffledBatches(len(prompts), cfg.prompts_per_step, torch.Generator().manual_seed(params.seed), rank,
                             accelerator.num_processes)
     ckpt, found = find_checkpoint(params, policy, accelerator)
     if is_main:
@@ -107,7 +115,7 @@ def load_models(params: Params,
     if params.ppo.disable_dropout:
         disable_dropout(lm)
         disable_dropout(ref)
-    policy = PolicyWithValueHead(lm, separate_critic=params.ppo.value_model == "separate")
+    policy = PolicyWithValueHead(lm, params.ppo.critic)
     return policy.to(device), ref.to(device), tokenizer
 
 
@@ -133,7 +141,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
             if not result.skipped:
                 last = result.stats
                 if is_main:
-                    writer.add(experience_rows(step, queries, result.experience, last["objective/kl_coef"]))
+                    writer.add(experience_rows(step, result.experience, last["objective/kl_coef"]))
                     for key, value in last.items():
                         live.log_metric(key, value, plot=True)
                     live.next_step()

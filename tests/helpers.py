@@ -74,11 +74,11 @@ def make_trainer(tiny_gpt2_dir: Path, scorer_cls: type = TokenShareScorer, preci
     disable_dropout(lm)
     disable_dropout(ref)
     scorer = scorer_cls(tokenizer, cutoff=len(tokenizer) // 4)
-    policy = PolicyWithValueHead(lm, cfg.value_model == "separate")
+    policy = PolicyWithValueHead(lm, cfg.critic)
     return PPOTrainer(policy, ref, tokenizer, scorer, cfg, torch.device("cpu"), precision)
 
 
-def batch(trainer: PPOTrainer, n: int = 16) -> tuple[list[list[int]], list[str]]:
-    """``n`` prompts (token ids, texts) cycling through QUERIES."""
-    queries = [QUERIES[i % len(QUERIES)] for i in range(n)]
+def batch(trainer: PPOTrainer, n: int | None = None) -> tuple[list[list[int]], list[str]]:
+    """``n`` prompts (default: the ppo.prompts_per_step of one step; token ids, texts) cycling through QUERIES."""
+    queries = [QUERIES[i % len(QUERIES)] for i in range(n or trainer.cfg.prompts_per_step)]
     return [trainer.tokenizer(q).input_ids for q in queries], queries

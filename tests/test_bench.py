@@ -74,22 +74,33 @@ def run_main(module: ModuleType, args: list[str], monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("estimator", "k"), [("gae", 1), ("rloo", 4)])
 def test_ppo_step_runs_the_trainer_and_prints_the_result_line(tokenizer_dir: Path, imdb_dir: Path, capsys,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                                              monkeypatch: pytest.MonkeyPatch, estimator: str,
+                                                              k: int) -> None:
     result = run_main(ppo_step, ["--config", "toy", "--iters", "1", "--threads", "1", "--data", str(imdb_dir),
-                                 "--tokenizer", str(tokenizer_dir)], monkeypatch, capsys)
+                                 "--tokenizer", str(tokenizer_dir), "--estimator", estimator,
+                                 "--samples-per-prompt", str(k)], monkeypatch, capsys)
 
     cfg = CONFIGS["toy"]
     assert result.keys() >= INTERFACE_KEYS
     assert (result["config"], result["iters"], result["runner"]) == ("toy", 1, "ours")
+    assert (result["estimator"], result["samples_per_prompt"]) == (estimator, k)
     phases = sum(result[f"{p}_s"] for p in ("generate", "score", "forward", "update"))
     assert 0 < phases <= result["s_per_iter"] + 0.01  # the phases happen inside the timed iteration
     assert result["samples_per_s"] == pytest.approx(cfg.batch_size / result["s_per_iter"], rel=0.01)
     assert result["tokens_per_s"] == pytest.approx(result["samples_per_s"] * cfg.new_tokens, rel=0.01)
-    batches = load_prompts(imdb_dir, load_tokenizer(str(tokenizer_dir), ModelParams()), cfg, iters=1)
+    batches = [batch[: cfg.batch_size // k]  # the prompts of a step, each answered k times
+               for batch in load_prompts(imdb_dir, load_tokenizer(str(tokenizer_dir), ModelParams()), cfg, iters=1)]
     flops = cfg.ppo_epochs * pass_flops(cfg, mean_padded_length(cfg, batches[1:]), cfg.new_tokens, backward=True)
     assert result["update_gflop"] == pytest.approx(flops / 1e9, abs=0.05)
     assert result["peak_mem_mb"] > 0
+
+
+def test_ppo_step_refuses_an_estimator_setting_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["bench.ppo_step", "--config", "toy", "--estimator", "grpo"])
+    with pytest.raises(SystemExit, match=r"^ppo.samples_per_prompt: must be >= 2 with ppo.advantage_estimator grpo"):
+        ppo_step.main()
 
 
 def test_compare_rejects_an_unknown_peer(monkeypatch: pytest.MonkeyPatch) -> None:

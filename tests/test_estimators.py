@@ -254,3 +254,67 @@ def test_kl_loss_is_zero_at_the_reference_and_positive_elsewhere() -> None:
     logprobs, mask = torch.randn(4, 5, generator=g), torch.ones(4, 5)
     assert ppo.kl_loss(logprobs, logprobs, mask, 0.1).item() == 0.0
     assert ppo.kl_loss(logprobs, logprobs + 0.3 * torch.randn(4, 5, generator=g), mask, 0.1).item() > 0
+
+
+# --- the trainer's entry points: estimate_advantages and ppo_loss without a critic -----------------------------------
+
+
+def test_estimate_advantages_follows_each_paper_from_compute_rewards_output(batch) -> None:
+    """From per-token rewards (score on the last real token, -kl_coef * KL on each), each estimator's advantages
+    match its paper's reference, with R = the whole sequence's reward."""
+    k, mask, g = batch
+    logprobs, ref_logprobs = (torch.randn(mask.shape, generator=g, dtype=torch.float64) for _ in range(2))
+    scores = torch.randn(len(mask), generator=g, dtype=torch.float64)
+    rewards, _, _ = ppo.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
+    R = [sum(rewards[i, t].item() for t in real_positions(mask, i)) for i in range(len(mask))]
+
+    advantages, returns = ppo.estimate_advantages("rloo", rewards, mask, None, k, 1.0, 0.95)
+    assert returns is None
+    assert_per_sample_on_real_tokens(advantages, mask, rloo_reference(R, k))
+    advantages, returns = ppo.estimate_advantages("grpo", rewards, mask, None, k, 1.0, 0.95)
+    assert returns is None
+    assert_per_sample_on_real_tokens(advantages, mask, grpo_reference(R, k, 1e-4))
+    advantages, returns = ppo.estimate_advantages("reinforce_pp", rewards, mask, None, k, 0.9, 0.95)
+    expected_returns, expected_advantages = reinforce_pp_reference(rewards, mask, 0.9)
+    for i in range(len(mask)):
+        real = real_positions(mask, i)
+        assert returns[i, real].tolist() == pytest.approx(expected_returns[i], rel=1e-12, abs=1e-12)
+        assert advantages[i, real].tolist() == pytest.approx(expected_advantages[i], rel=1e-10, abs=1e-10)
+
+
+def test_estimate_advantages_gae_is_compute_advantages_and_unknown_names_fail() -> None:
+    g = torch.Generator().manual_seed(2)
+    mask = ragged_mask(2, "mixed", torch.float32, 4)
+    values, rewards = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    got = ppo.estimate_advantages("gae", rewards, mask, values, 2, 0.9, 0.8, whiten_rewards=True)
+    expected = ppo.compute_advantages(values, rewards, mask, 0.9, 0.8, whiten_rewards=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    with pytest.raises(ValueError, match="estimate_advantages: unknown estimator 'ppo'"):
+        ppo.estimate_advantages("ppo", rewards, mask, values, 2, 0.9, 0.8)
+
+
+@pytest.mark.parametrize("kl_loss_coef", [0.0, 0.04])
+def test_ppo_loss_without_a_critic_is_the_policy_loss_plus_the_kl_term(kl_loss_coef: float) -> None:
+    g = torch.Generator().manual_seed(3)
+    mask = ragged_mask(2, "right", torch.bool, 5)
+    logprobs, old_logprobs, ref_logprobs, advantages = (torch.randn(mask.shape, generator=g) * 0.3
+                                                        for _ in range(4))
+    loss, stats = ppo.ppo_loss(logprobs, None, old_logprobs, None, advantages, None, mask, 0.2, 0.2, 0.1, 10.0,
+                               ref_logprobs, kl_loss_coef)
+    pg_loss, _ = ppo.policy_loss(logprobs, old_logprobs, advantages, mask, 0.2)
+    kl = ppo.kl_loss(logprobs, ref_logprobs, mask, 1.0)
+    assert loss.item() == pytest.approx(pg_loss.item() + kl_loss_coef * kl.item(), rel=1e-6)
+    assert not any(key.startswith(("loss/value", "val/clipfrac")) for key in stats)
+    assert ("loss/kl" in stats) == (kl_loss_coef > 0)
+    if kl_loss_coef:
+        assert stats["loss/kl"].item() == pytest.approx(kl.item(), rel=1e-6)  # unweighted, as loss/value is
+
+
+def test_a_skipped_minibatch_skips_the_kl_term_too() -> None:
+    mask = torch.ones(2, 3)
+    logprobs = torch.full((2, 3), math.log(20.0), requires_grad=True)  # ratio 20 > ratio_threshold
+    loss, stats = ppo.ppo_loss(logprobs, None, torch.zeros(2, 3), None, torch.ones(2, 3), None, mask, 0.2, 0.2, 0.1,
+                               10.0, torch.zeros(2, 3), kl_loss_coef=1.0)
+    loss.backward()
+    assert stats["policy/skipped"].item() == 1.0 and loss.item() == 0.0 and (logprobs.grad == 0).all()
+    assert stats["loss/kl"].item() > 0  # still reported

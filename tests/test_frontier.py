@@ -118,6 +118,19 @@ def test_a_dry_run_of_a_shipped_preset_prints_the_default_grid_and_copies_nothin
     assert not (project / "data" / "raw" / "imdb").exists()
     assert [p.name for p in (project / "metrics" / "frontier").rglob("*") if p.is_file()] == [".keep.yaml"]
 
+    # a series of another advantage estimator, as README gives it; a setting the ppo stage would refuse stops here
+    data = ("--imdb", str(imdb_dir), "--tokenizer", str(tokenizer_dir))
+    result = run_frontier(project, "offline-cpu", *data, "--series", "rloo", "--set", "ppo.advantage_estimator=rloo",
+                          "--set", "ppo.samples_per_prompt=4", "--dry-run")
+    commands = [line for line in result.stdout.splitlines() if line.startswith("dvc exp run")]
+    assert [line.split()[4] for line in commands] == [f"offline-cpu-rloo-kl{c:g}" for c in DEFAULT_KL_COEFS]
+    assert all("-S ppo.advantage_estimator=rloo -S ppo.samples_per_prompt=4 " in line for line in commands)
+    result = run_frontier(project, "offline-cpu", *data, "--series", "grpo", "--set", "ppo.advantage_estimator=grpo",
+                          "--dry-run")
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+        "error: params.yaml: ppo.samples_per_prompt: must be >= 2 with ppo.advantage_estimator grpo (its baseline is "
+        "the prompt's other samples) (got 1)")
+
 
 def points_log(result: subprocess.CompletedProcess) -> dict[str, tuple[str, set[str]]]:
     """{point: (its progress line's verdict, the stages DVC ran for it)} from the command's output."""
@@ -191,6 +204,15 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
         assert re.search(rf"^dvc exp run -n {name} .*-S evaluate.examples=1\b", dry.stdout, re.M), dry.stdout
     assert "-S ppo.adap_kl_ctrl=true -S ppo.target=4.0 -S ppo.init_kl_coef=0.2" in dry.stdout
     assert exp_show(project) == shown and path.read_bytes() == written
+
+    # a critic-free series: its --set keys reach the ppo stage, its points join the table under their series
+    rloo = run_frontier(project, "tiny", "--series", "rloo", "--set", "ppo.advantage_estimator=rloo", "--set",
+                        "ppo.samples_per_prompt=2", "--kl-coef", "0.5")
+    assert points_log(rloo) == {"tiny-rloo-kl0.5": ("ran", {"ppo", "evaluate"})}
+    ppo = exp_show(project)["tiny-rloo-kl0.5"]["params"]["params.yaml"]["data"]["ppo"]
+    assert (ppo["advantage_estimator"], ppo["samples_per_prompt"]) == ("rloo", 2)
+    table = pd.read_csv(path)
+    assert table.loc[table["series"] == "rloo", "experiment"].dropna().tolist() == ["tiny-rloo-kl0.5"]
 
 
 def test_plots_show_reads_a_clone_without_a_frontier(project: Path) -> None:

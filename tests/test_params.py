@@ -273,3 +273,50 @@ def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
     assert p.tokenizer_path == "lvwerra/gpt2-imdb"
     p = p.model_copy(update={"sft": p.sft.model_copy(update={"enabled": True, "base": "gpt2"})})
     assert p.tokenizer_path == "gpt2"
+
+
+@pytest.mark.parametrize(("updates", "message"), [
+    ({"advantage_estimator": "rloo"}, "ppo.samples_per_prompt: must be >= 2 with ppo.advantage_estimator rloo (its "
+                                      "baseline is the prompt's other samples) (got 1)"),
+    ({"advantage_estimator": "grpo", "samples_per_prompt": 1}, "ppo.samples_per_prompt: must be >= 2 with "
+                                                               "ppo.advantage_estimator grpo (its baseline is the "
+                                                               "prompt's other samples) (got 1)"),
+    ({"samples_per_prompt": 3}, "ppo.batch_size: must be a multiple of ppo.samples_per_prompt (3) (got 128)"),
+    ({"samples_per_prompt": 0}, "ppo.samples_per_prompt: must be > 0 (got 0)"),
+    ({"kl_loss_coef": 0.04}, "ppo.kl_loss_coef: must be 0 with ppo.advantage_estimator gae (a KL loss term is "
+                             "GRPO's; the others keep the KL penalty in the reward: ppo.init_kl_coef) (got 0.04)"),
+    ({"advantage_estimator": "reinforce_pp", "kl_loss_coef": 0.04},
+     "ppo.kl_loss_coef: must be 0 with ppo.advantage_estimator reinforce_pp (a KL loss term is GRPO's; the others "
+     "keep the KL penalty in the reward: ppo.init_kl_coef) (got 0.04)"),
+    ({"advantage_estimator": "rloo", "samples_per_prompt": 4, "value_model": "separate"},
+     "ppo.value_model: must be 'shared' with ppo.advantage_estimator rloo, which trains no critic (a separate critic "
+     "would never be used) (got 'separate')"),
+    ({"advantage_estimator": "ppo"}, "ppo.advantage_estimator: must be one of gae, rloo, grpo, reinforce_pp (got "
+                                     "'ppo')"),
+])
+def test_estimator_rules_name_the_key(raw: dict, updates: dict, message: str) -> None:
+    raw["ppo"].update(updates)
+    with pytest.raises(ParamsError) as err:
+        parse_params(raw, ROOT)
+    assert str(err.value) == f"params.yaml: {message}"
+
+
+@pytest.mark.parametrize(("estimator", "k", "unused"), [
+    ("gae", 1, []),
+    ("gae", 4, []),
+    ("rloo", 4, ["value_model", "vf_coef", "cliprange_value", "gamma", "lam", "whiten_rewards"]),
+    ("grpo", 2, ["value_model", "vf_coef", "cliprange_value", "gamma", "lam", "whiten_rewards"]),
+    ("reinforce_pp", 1, ["value_model", "vf_coef", "cliprange_value", "lam", "whiten_rewards"]),
+])
+def test_critic_free_estimators_accept_the_default_value_settings_and_name_what_they_ignore(
+        raw: dict, estimator: str, k: int, unused: list[str]) -> None:
+    raw["ppo"].update(advantage_estimator=estimator, samples_per_prompt=k)
+    ppo = parse_params(raw, ROOT).ppo
+    assert ppo.critic == ("shared" if estimator == "gae" else None)
+    assert ppo.unused_keys == [f"ppo.{key}" for key in unused]
+    assert ppo.prompts_per_step == 128 // k
+
+
+def test_grpo_takes_a_kl_loss_coef(raw: dict) -> None:
+    raw["ppo"].update(advantage_estimator="grpo", samples_per_prompt=4, kl_loss_coef=0.04, init_kl_coef=0.0)
+    assert parse_params(raw, ROOT).ppo.kl_loss_coef == 0.04

@@ -10,25 +10,47 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import build_tiny_gpt2, set_params
+from conftest import build_tiny_gpt2, set_params, write_prompts
 from helpers import run
 from transformers import AutoModelForCausalLM
 
+ESTIMATORS = {  # TINY's batch_size 4: 2 prompts x 2 samples for the group estimators
+    "gae": {},
+    "rloo": {"ppo.advantage_estimator": "rloo", "ppo.samples_per_prompt": 2},
+    "grpo": {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 2, "ppo.kl_loss_coef": 0.04},
+    "reinforce_pp": {"ppo.advantage_estimator": "reinforce_pp"},
+}
+
 
 @pytest.mark.slow
-def test_outputs(ppo_project: Path) -> None:
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_outputs(ppo_project: Path, estimator: str) -> None:
+    set_params(ppo_project, **ESTIMATORS[estimator])
     result = run(ppo_project)
     assert result.returncode == 0, result.stderr
+    critic = estimator == "gae"
     policy = ppo_project / "models/policy"
     AutoModelForCausalLM.from_pretrained(policy)
-    assert (policy / "value_head.safetensors").exists() and (policy / "tokenizer.json").exists()
+    assert (policy / "tokenizer.json").exists()
+    assert (policy / "value_head.safetensors").exists() == critic
     rollouts = pd.read_parquet(ppo_project / "data/rollouts")
     assert sorted(rollouts["step"].unique()) == [0, 1, 2] and len(rollouts) == 3 * 4
     assert sorted(p.name for p in (ppo_project / "data/rollouts").iterdir()) == [
         "steps-000000-000001.parquet", "steps-000002-000002.parquet"]
     assert rollouts["response_length"].between(1, 6).all()
+    assert rollouts["value_mean"].isna().all() != critic
+    k = ESTIMATORS[estimator].get("ppo.samples_per_prompt", 1)
+    for _, step in rollouts.groupby("step"):
+        queries = step["query"].tolist()
+        assert all(len(set(queries[i: i + k])) == 1 for i in range(0, 4, k))  # a prompt's samples in a row
+    curves = ppo_project / "metrics/ppo/plots/metrics"
     for curve in ("objective/scores", "objective/kl", "objective/kl_coef", "loss/policy", "policy/clipfrac"):
-        assert len((ppo_project / f"metrics/ppo/plots/metrics/{curve}.tsv").read_text().splitlines()) == 1 + 3
+        assert len((curves / f"{curve}.tsv").read_text().splitlines()) == 1 + 3
+    assert (curves / "loss/value.tsv").exists() == (curves / "val/mean.tsv").exists() == critic
+    assert (curves / "val/returns.tsv").exists() == (estimator in ("gae", "reinforce_pp"))
+    assert (curves / "loss/kl.tsv").exists() == (estimator == "grpo")
+    ignored = f"ppo: advantage_estimator {estimator} ignores ppo.value_model, ppo.vf_coef, ppo.cliprange_value"
+    assert (ignored in result.stderr) != critic
     summary = json.loads((ppo_project / "metrics/ppo.json").read_text())
     assert summary["steps"] == 3 and summary["processes"] == 1
 
@@ -64,6 +86,19 @@ def test_tokenizer_that_does_not_match_the_policy(ppo_project: Path, tokenizer_d
     assert result.stderr.strip().splitlines()[-1] == (
         "error: model.tokenizer: the tokenizer has 400 tokens but the model's embedding has only 50 rows "
         "(tokenizer and model do not belong together)")
+
+
+def test_too_few_prompts_for_a_step(ppo_project: Path, tokenizer_dir: Path) -> None:
+    write_prompts(ppo_project, tokenizer_dir, n=3)
+    set_params(ppo_project, **ESTIMATORS["rloo"])  # 4 samples = 2 prompts x 2: 3 prompts are enough
+    set_params(ppo_project, **{"ppo.steps": 1, "ppo.checkpoint_every": 0})
+    assert run(ppo_project).returncode == 0
+    set_params(ppo_project, **{"ppo.advantage_estimator": "gae", "ppo.samples_per_prompt": 1})
+    result = run(ppo_project)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: data/prompts/train.parquet: 3 prompts, fewer than the 4 a step needs (ppo.batch_size=4 / "
+        "ppo.samples_per_prompt=1)")
 
 
 def test_prompts_without_input_ids(ppo_project: Path) -> None:

@@ -92,9 +92,10 @@ def outputs(project: Path) -> dict[str, object]:
               for path in sorted((project / "metrics/ppo/plots/metrics").rglob("*.tsv"))
               if not path.relative_to(project / "metrics/ppo/plots/metrics").as_posix().startswith(WALL_TIME)}
     summary = json.loads((project / "metrics/ppo.json").read_text())
+    value_head = policy / "value_head.safetensors"
     return {
         "weights": {k: v.tolist() for k, v in load_file(policy / "model.safetensors").items()},
-        "value_head": {k: v.tolist() for k, v in load_file(policy / "value_head.safetensors").items()},
+        "value_head": {k: v.tolist() for k, v in load_file(value_head).items()} if value_head.exists() else None,
         "summary": {k: v for k, v in summary.items() if not k.startswith(WALL_TIME)},
         "curves": curves,
         "rollout_files": sorted(p.name for p in (project / "data/rollouts").iterdir()),
@@ -185,6 +186,36 @@ def test_a_nan_stop_keeps_the_last_checkpoint_and_logs_and_skip_resumes_from_the
     assert "resuming after step 3" in caplog.text
     assert sorted(pd.read_parquet("data/rollouts")["step"].unique()) == list(range(8))
     assert json.loads(Path("metrics/ppo.json").read_text())["skipped_batches"] == 0
+
+
+@pytest.mark.slow
+def test_a_critic_free_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(
+        ppo_project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """GRPO (no value head in the checkpoint, 2 prompts x 2 samples a step, the KL loss term), stopped by a NaN score
+    at step 4 and resumed from its step-3 checkpoint, ends where an uninterrupted run does (in-process, no kills:
+    the kill test above covers gae)."""
+    set_params(ppo_project, **{"ppo.steps": 6, "ppo.checkpoint_every": 2, "ppo.advantage_estimator": "grpo",
+                               "ppo.samples_per_prompt": 2, "ppo.kl_loss_coef": 0.04})
+    reference = tmp_path / "uninterrupted"
+    shutil.copytree(ppo_project, reference)
+    monkeypatch.chdir(reference)
+    score_with(monkeypatch, LengthScorer())
+    ppo_stage.main()
+
+    monkeypatch.chdir(ppo_project)
+    score_with(monkeypatch, LengthScorer(nan_call=5))
+    with pytest.raises(TrainingError, match=r"^step 4: score"):
+        ppo_stage.main()
+    assert newest_checkpoint(ppo_project) == "step-000003"
+    caplog.set_level("INFO")
+    score_with(monkeypatch, LengthScorer())
+    ppo_stage.main()
+    assert "resuming after step 3" in caplog.text
+    resumed, uninterrupted = outputs(ppo_project), outputs(reference)
+    assert uninterrupted["value_head"] is None
+    for key in uninterrupted:
+        assert resumed[key] == uninterrupted[key], key
 
 
 # each stage trains a tiny model for ~40 steps with a checkpoint every 5: the sft run draws blocks from a generator,

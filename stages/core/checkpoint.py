@@ -7,7 +7,7 @@ everything that determines the run (params, input files, code, library versions,
 another fingerprint belongs to another run and is removed. A completed run deletes its checkpoints.
 
 Layout of a checkpoint:
-    model.safetensors   every weight of the trained module (policy + value head, critic included)
+    model.safetensors   every weight of the trained module (policy, and value head and critic where trained)
     optimizer.pt        the optimizer's state (torch.save; loaded with weights_only=True)
     state.json          step, fingerprint, the trainer's scalars, every RNG state (tensors as base64)
     files/<name>/       copies of outputs written so far (rollout log chunks, curves), restored on resume

@@ -209,7 +209,8 @@ class PpoParams(Section):
     learning_rate: float = Field(1.41e-5, gt=0)
     """AdamW learning rate of the policy (and value head)."""
     batch_size: int = Field(128, gt=0)
-    """Prompts sampled per iteration (per process)."""
+    """Samples (responses) per iteration, per process: batch_size / samples_per_prompt prompts, each answered
+    samples_per_prompt times."""
     mini_batch_size: int = Field(128, gt=0)
     """Samples per forward/backward pass of the update."""
     gradient_accumulation_steps: int = Field(1, gt=0)
@@ -224,8 +225,18 @@ class PpoParams(Section):
     """Adaptive KL controller's target KL (nats per sequence)."""
     horizon: float = Field(10000.0, gt=0)
     """Adaptive KL controller's horizon, in samples."""
+    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = "gae"
+    """gae: PPO's value head and GAE; rloo (leave-one-out baseline over each prompt's samples), grpo (reward
+    normalised within each prompt's samples), reinforce_pp (REINFORCE++: discounted returns whitened over the batch):
+    critic-free, no value head."""
+    samples_per_prompt: int = Field(1, gt=0)
+    """k: responses sampled per prompt in a batch (>= 2 for rloo and grpo, whose baseline is the prompt's other
+    samples)."""
+    kl_loss_coef: float = Field(0.0, ge=0)
+    """grpo only: weight of GRPO's k3 KL(policy || reference) loss term (the paper: 0.04, with init_kl_coef 0 and
+    adap_kl_ctrl false); 0: off."""
     gamma: float = Field(1.0, ge=0, le=1)
-    """Discount of GAE."""
+    """Discount of GAE and of REINFORCE++'s returns."""
     lam: float = Field(0.95, ge=0, le=1)
     """Lambda of GAE."""
     cliprange: float = Field(0.2, gt=0)
@@ -263,7 +274,8 @@ class PpoParams(Section):
     disable_dropout: bool = True
     """Switch dropout off in the policy and the reference."""
     value_model: Literal["shared", "separate"] = "shared"
-    """'shared': a value head on the policy's backbone; 'separate': a critic model initialised from the policy."""
+    """'shared': a value head on the policy's backbone; 'separate': a critic model initialised from the policy (gae
+    only)."""
     checkpoint_every: int | None = Field(10, ge=0)
     """Steps per rollout-log file and per resumable checkpoint in data/checkpoints/ppo/ (kept outside DVC's outputs,
     keyed by a fingerprint of the run; a rerun after a kill resumes from the newest). 0 or null: no checkpoints,
@@ -278,7 +290,42 @@ class PpoParams(Section):
         if self.batch_size % step:
             raise Rule("batch_size", f"must be a multiple of ppo.mini_batch_size x ppo.gradient_accumulation_steps "
                                      f"({step})", self.batch_size)
+        self._estimator_rules()
         return self
+
+    def _estimator_rules(self) -> None:
+        estimator, k = self.advantage_estimator, self.samples_per_prompt
+        if estimator in ("rloo", "grpo") and k < 2:
+            raise Rule("samples_per_prompt", f"must be >= 2 with ppo.advantage_estimator {estimator} (its baseline "
+                                             "is the prompt's other samples)", k)
+        if self.batch_size % k:
+            raise Rule("batch_size", f"must be a multiple of ppo.samples_per_prompt ({k})", self.batch_size)
+        if self.kl_loss_coef > 0 and estimator != "grpo":
+            raise Rule("kl_loss_coef", f"must be 0 with ppo.advantage_estimator {estimator} (a KL loss term is "
+                                       "GRPO's; the others keep the KL penalty in the reward: ppo.init_kl_coef)",
+                       self.kl_loss_coef)
+        if self.value_model == "separate" and self.critic is None:
+            raise Rule("value_model", f"must be 'shared' with ppo.advantage_estimator {estimator}, which trains no "
+                                      "critic (a separate critic would never be used)", self.value_model)
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts per iteration (per process): each is answered samples_per_prompt times."""
+        return self.batch_size // self.samples_per_prompt
+
+    @property
+    def critic(self) -> Literal["shared", "separate"] | None:
+        """The value model to train: value_model under gae, None for the critic-free estimators."""
+        return self.value_model if self.advantage_estimator == "gae" else None
+
+    @property
+    def unused_keys(self) -> list[str]:
+        """The ppo.* keys that the estimator leaves unused (the stage logs them once)."""
+        unused = {"gae": [], "reinforce_pp": ["lam", "whiten_rewards"]}.get(self.advantage_estimator,
+                                                                           ["gamma", "lam", "whiten_rewards"])
+        if self.critic is None:
+            unused = ["value_model", "vf_coef", "cliprange_value", *unused]
+        return [f"ppo.{key}" for key in unused]
 
 
 class EvaluateParams(Section):

@@ -1,9 +1,11 @@
-"""The PPO actor-critic: a causal LM plus a scalar value head, on the LM's own backbone or on a separate critic."""
+"""The PPO actor-critic: a causal LM plus a scalar value head, on the LM's own backbone or on a separate critic, or
+the LM alone for the critic-free estimators."""
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,23 +28,28 @@ def disable_dropout(model: nn.Module) -> None:
 class PolicyWithValueHead(nn.Module):
     """``forward`` returns the response-slice logits (B, R, V) and values (B, R) of ``query_responses``.
 
+    ``value_model`` (ppo.critic): 'shared' puts the value head on the LM's backbone, 'separate' on a copy of it;
+    None builds no value head at all (no weights, no optimizer state) and ``forward`` returns values None.
     Only the positions that predict response tokens go through the LM head: on a 50k vocabulary the head is most of
     the compute, and the prompt positions' logits are never used.
     """
 
-    def __init__(self, lm: PreTrainedModel, separate_critic: bool = False) -> None:
+    def __init__(self, lm: PreTrainedModel, value_model: Literal["shared", "separate"] | None = "shared") -> None:
         super().__init__()
         self.lm = lm
-        self.critic = copy.deepcopy(lm.base_model) if separate_critic else None
-        self.v_head = nn.Linear(lm.config.hidden_size, 1)
-        # a small head keeps the first value estimates near 0, where the whitened returns start
-        nn.init.normal_(self.v_head.weight, std=1.0 / (lm.config.hidden_size + 1) ** 0.5)
-        nn.init.zeros_(self.v_head.bias)
+        self.critic = copy.deepcopy(lm.base_model) if value_model == "separate" else None
+        self.v_head = nn.Linear(lm.config.hidden_size, 1) if value_model is not None else None
+        if self.v_head is not None:
+            # a small head keeps the first value estimates near 0, where the whitened returns start
+            nn.init.normal_(self.v_head.weight, std=1.0 / (lm.config.hidden_size + 1) ** 0.5)
+            nn.init.zeros_(self.v_head.bias)
 
     def forward(self, query_responses: torch.Tensor, attention_mask: torch.Tensor,
-                context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+                context_length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = backbone_hidden(self.lm.base_model, query_responses, attention_mask, context_length)
         logits = lm_head(self.lm, hidden)
+        if self.v_head is None:
+            return logits, None
         if self.critic is not None:
             hidden = backbone_hidden(self.critic, query_responses, attention_mask, context_length)
         with full_precision(hidden.device):
@@ -50,6 +57,9 @@ class PolicyWithValueHead(nn.Module):
         return logits, values
 
     def save_value_head(self, folder: Path) -> None:
+        """``folder``/value_head.safetensors: the value head (and separate critic); nothing without a value head."""
+        if self.v_head is None:
+            return
         state = {f"v_head.{k}": v for k, v in self.v_head.state_dict().items()}
         if self.critic is not None:
             state |= {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
@@ -65,7 +75,7 @@ class PolicyWithValueHead(nn.Module):
 
 def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
     """``folder``, replaced in one rename: the LM loadable by AutoModelForCausalLM, its tokenizer, and the value head
-    beside them."""
+    (if any) beside them."""
     with atomic_path(folder) as tmp:
         policy.lm.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -338,6 +338,27 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor,
     return compute_advantages(torch.zeros_like(rewards), rewards, mask, gamma, lam=1.0)
 
 
+def estimate_advantages(estimator: str, rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor | None,
+                        k: int, gamma: float, lam: float,
+                        whiten_rewards: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ppo.advantage_estimator's (advantages, returns) from compute_rewards' per-token ``rewards`` (B, T).
+
+    gae: compute_advantages (needs the critic's ``values``); reinforce_pp: reinforce_pp_advantages (returns, no
+    critic); rloo, grpo: their advantages from each sample's summed reward, the B = n_prompts * k samples grouped as
+    in group_view, and no returns (None).
+    """
+    if estimator == "gae":
+        return compute_advantages(values, rewards, mask, gamma, lam, whiten_rewards)
+    if estimator == "reinforce_pp":
+        return reinforce_pp_advantages(rewards, mask, gamma)
+    if estimator == "rloo":
+        return rloo_advantages(rewards.sum(1), mask, k), None
+    if estimator == "grpo":
+        return grpo_advantages(rewards.sum(1), mask, k), None
+    raise ValueError(f"estimate_advantages: unknown estimator {estimator!r} (expected gae, rloo, grpo or "
+                     "reinforce_pp)")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # losses
 
@@ -371,22 +392,32 @@ def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, {"val/clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), mask)}
 
 
-def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor, old_logprobs: torch.Tensor, old_values: torch.Tensor,
-             advantages: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange: float,
-             cliprange_value: float, vf_coef: float,
-             ratio_threshold: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """pg_loss + vf_coef * vf_loss; multiplied by 0 (the minibatch skipped) when the mean ratio > ratio_threshold.
+def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor | None, old_logprobs: torch.Tensor,
+             old_values: torch.Tensor | None, advantages: torch.Tensor, returns: torch.Tensor | None,
+             mask: torch.Tensor, cliprange: float, cliprange_value: float, vf_coef: float, ratio_threshold: float,
+             ref_logprobs: torch.Tensor | None = None,
+             kl_loss_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """pg_loss + vf_coef * vf_loss + kl_loss_coef * KL; multiplied by 0 (the minibatch skipped) when the mean ratio >
+    ratio_threshold.
 
-    Stats are detached 0-dim tensors; ``loss/policy`` and ``loss/value`` keep their values when the loss is skipped.
+    ``values`` None (a critic-free estimator): no value loss and no value stats. ``kl_loss_coef`` > 0 adds GRPO's KL
+    term (``kl_loss``; needs ``ref_logprobs``), its unweighted value logged as ``loss/kl``. Stats are detached 0-dim
+    tensors; ``loss/policy``, ``loss/value`` and ``loss/kl`` keep their values when the loss is skipped.
     """
     pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, advantages, mask, cliprange)
-    vf_loss, vf_stats = value_loss(values, old_values, returns, mask, cliprange_value)
+    loss, stats = pg_loss, {"loss/policy": pg_loss.detach()}
+    if values is not None:
+        vf_loss, vf_stats = value_loss(values, old_values, returns, mask, cliprange_value)
+        loss = loss + vf_coef * vf_loss
+        stats |= {"loss/value": vf_loss.detach(), **vf_stats}
+    if kl_loss_coef > 0:
+        kl = kl_loss(logprobs, ref_logprobs, mask, 1.0)
+        loss = loss + kl_loss_coef * kl
+        stats["loss/kl"] = kl.detach()
     skipped = pg_stats["val/ratio"] > ratio_threshold
     # multiplying by 0 (not returning a constant) keeps the graph for backward(); a tensor flag avoids a host sync
-    loss = (pg_loss + vf_coef * vf_loss) * (~skipped).to(pg_loss.dtype)
-    stats = {"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), "loss/total": loss.detach(),
-             "policy/skipped": skipped.float(), **pg_stats, **vf_stats}
-    return loss, stats
+    loss = loss * (~skipped).to(pg_loss.dtype)
+    return loss, stats | {"loss/total": loss.detach(), "policy/skipped": skipped.float(), **pg_stats}
 
 
 def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,

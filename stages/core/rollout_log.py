@@ -22,25 +22,26 @@ ROLLOUT_SCHEMA = pa.schema([
     ("score", pa.float32()),
     ("kl", pa.float32()),  # sum over the response tokens of the per-token KL estimate
     ("non_score_reward", pa.float32()),  # sum over the response tokens of -kl_coef * KL
-    ("value_mean", pa.float32()),
+    ("value_mean", pa.float32()),  # NaN without a critic (ppo.advantage_estimator other than gae)
     ("advantage_mean", pa.float32()),
     ("kl_coef", pa.float32()),
 ])
 
 
-def experience_rows(step: int, queries: list[str], exp: Experience, kl_coef: float) -> dict[str, list]:
-    mask = exp.mask
+def experience_rows(step: int, exp: Experience, kl_coef: float) -> dict[str, list]:
+    mask, n = exp.mask, len(exp.queries)
+    values = ppo.masked_mean(exp.values, mask, dim=1).tolist() if exp.values is not None else [float("nan")] * n
     return {
-        "step": [step] * len(queries),
-        "query": queries,
+        "step": [step] * n,
+        "query": exp.queries,
         "response": exp.responses_text,
         "response_length": mask.sum(1).tolist(),
         "score": exp.scores.tolist(),
         "kl": exp.kl.sum(1).tolist(),
         "non_score_reward": exp.non_score_reward.sum(1).tolist(),
-        "value_mean": ppo.masked_mean(exp.values, mask, dim=1).tolist(),
+        "value_mean": values,
         "advantage_mean": ppo.masked_mean(exp.advantages, mask, dim=1).tolist(),
-        "kl_coef": [kl_coef] * len(queries),
+        "kl_coef": [kl_coef] * n,
     }
 
 

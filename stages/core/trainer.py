@@ -37,19 +37,21 @@ OOM_ADVICE = {
 
 @dataclass
 class Experience:
-    """What one iteration learns from; per-token tensors are (B, R) over the response positions."""
+    """What one iteration learns from; per-token tensors are (B, R) over the response positions, and the B samples
+    are samples_per_prompt answers to each prompt in turn (sample = prompt * k + j)."""
 
     samples: Samples
+    queries: list[str]  # B texts: the prompt of each sample
     responses_text: list[str]
     scores: torch.Tensor  # (B,) after EOS penalty and scaling
     logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None  # None without a critic
     rewards: torch.Tensor
     non_score_reward: torch.Tensor
     kl: torch.Tensor
     advantages: torch.Tensor
-    returns: torch.Tensor
+    returns: torch.Tensor | None  # None for rloo and grpo
     entropy: torch.Tensor
 
     @property
@@ -98,7 +100,8 @@ class PPOTrainer:
     # --- the iteration ---------------------------------------------------------------------------------------------
 
     def step(self, query_ids: list[list[int]], queries: list[str], step: int = 0) -> StepResult:
-        """One full PPO iteration on a batch of prompts: its stats (timings included) and experience.
+        """One full PPO iteration on a batch of ppo.prompts_per_step prompts, each answered ppo.samples_per_prompt
+        times: its stats (timings included) and experience.
 
         CUDA out-of-memory becomes a TrainingError naming the param to lower for the phase that ran out.
         """
@@ -128,7 +131,7 @@ class PPOTrainer:
         stats |= {f"time/{k}": v for k, v in timings.items()}
         n_tokens = experience.mask.sum().item()
         total = sum(timings.values())
-        stats |= {"time/step": total, "throughput/samples_per_s": len(queries) / total,
+        stats |= {"time/step": total, "throughput/samples_per_s": len(experience.queries) / total,
                   "throughput/tokens_per_s": n_tokens / total, "ppo/skipped_batches": float(self.skipped_batches)}
         return StepResult(stats, experience)
 
@@ -136,8 +139,11 @@ class PPOTrainer:
                         timings: dict[str, float]) -> Experience | None:
         cfg = self.cfg
         with self.timer(timings, "generate"):
+            # one length per prompt, shared by its k samples: with k = 1 the draws are those of one sample per prompt
             lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
                                        self.length_generator)
+            query_ids, queries, lengths = (repeat_each(x, cfg.samples_per_prompt) for x in (query_ids, queries,
+                                                                                           lengths))
             with self.autocast():
                 samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
             responses_text = decode_responses(self.tokenizer, samples)
@@ -157,9 +163,10 @@ class PPOTrainer:
             mask = samples.response_mask
             rewards, non_score_reward, kl = ppo.compute_rewards(
                 scores, out.logprobs, ref.logprobs, mask, self.kl_ctl.value, cfg.kl_penalty, out.logits, ref.logits)
-            advantages, returns = ppo.compute_advantages(out.values, rewards, mask, cfg.gamma, cfg.lam,
-                                                         cfg.whiten_rewards)
-        return Experience(samples, responses_text, scores, out.logprobs, ref.logprobs, out.values, rewards,
+            advantages, returns = ppo.estimate_advantages(cfg.advantage_estimator, rewards, mask, out.values,
+                                                          cfg.samples_per_prompt, cfg.gamma, cfg.lam,
+                                                          cfg.whiten_rewards)
+        return Experience(samples, queries, responses_text, scores, out.logprobs, ref.logprobs, out.values, rewards,
                           non_score_reward, kl, advantages, returns, out.entropy)
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
@@ -190,11 +197,14 @@ class PPOTrainer:
         s = exp.samples
         mb_samples = Samples(s.query_responses[mb], s.attention_mask[mb], s.context_length, s.response_mask[mb],
                              s.has_eos[mb])
+        cfg = self.cfg
         with self.autocast():
-            out = forward(self.wrapped_policy, mb_samples, self.cfg.temperature)
-        loss, stats = ppo.ppo_loss(out.logprobs, out.values, exp.logprobs[mb], exp.values[mb], exp.advantages[mb],
-                                   exp.returns[mb], mb_samples.response_mask, self.cfg.cliprange,
-                                   self.cfg.cliprange_value, self.cfg.vf_coef, self.cfg.ratio_threshold)
+            out = forward(self.wrapped_policy, mb_samples, cfg.temperature)
+        critic = exp.values is not None
+        loss, stats = ppo.ppo_loss(out.logprobs, out.values, exp.logprobs[mb], exp.values[mb] if critic else None,
+                                   exp.advantages[mb], exp.returns[mb] if critic else None, mb_samples.response_mask,
+                                   cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.ratio_threshold,
+                                   exp.ref_logprobs[mb], cfg.kl_loss_coef)
         stats["policy/entropy"] = ppo.masked_mean(out.entropy, mb_samples.response_mask)
         return loss, stats
 
@@ -243,19 +253,22 @@ class PPOTrainer:
         return _Timer(timings, name, self.device)
 
     def experience_stats(self, exp: Experience, mean_kl: float, kl_coef: float) -> dict[str, float]:
+        """The batch's stats; ``val/mean`` only with a critic, ``val/returns`` only where the estimator has returns."""
         mask = exp.mask
-        return {
+        stats = {
             "objective/scores": exp.scores.mean().item(),
             "objective/scores_std": exp.scores.std().item() if len(exp.scores) > 1 else 0.0,
             "objective/kl": mean_kl,
             "objective/kl_coef": kl_coef,
             "objective/non_score_reward": exp.non_score_reward.sum(1).mean().item(),
             "objective/entropy": ppo.masked_mean(exp.entropy, mask).item(),
-            "val/mean": ppo.masked_mean(exp.values, mask).item(),
-            "val/returns": ppo.masked_mean(exp.returns, mask).item(),
-            "val/num_eos_tokens": exp.samples.has_eos.sum().item(),
-            "tokens/response_length": mask.sum(1).float().mean().item(),
         }
+        if exp.values is not None:
+            stats["val/mean"] = ppo.masked_mean(exp.values, mask).item()
+        if exp.returns is not None:
+            stats["val/returns"] = ppo.masked_mean(exp.returns, mask).item()
+        return stats | {"val/num_eos_tokens": exp.samples.has_eos.sum().item(),
+                        "tokens/response_length": mask.sum(1).float().mean().item()}
 
     # --- checkpointing ---------------------------------------------------------------------------------------------
 
@@ -269,6 +282,11 @@ class PPOTrainer:
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.score_moments.load_state_dict(state["score_moments"])
         self.skipped_batches = state["skipped_batches"]
+
+
+def repeat_each(items: list, k: int) -> list:
+    """Each item k times in a row: [a, b] -> [a, a, b, b] for k = 2 (a prompt's samples are contiguous)."""
+    return [item for item in items for _ in range(k)]
 
 
 class _Timer:
