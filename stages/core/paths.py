@@ -6,6 +6,7 @@ Paths are relative to the project root, where DVC runs the stages; dvc.yaml name
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 RAW = Path("data/raw")  # local inputs DVC watches (prepare and sft list it as a dependency)
@@ -48,3 +49,31 @@ def is_local(value: str) -> bool:
     """
     return (Path(value).expanduser().exists() or value.startswith((".", "/", "~")) or value.count("/") > 1
             or Path(value).suffix.lower() in LOCAL_SUFFIXES)
+
+
+@functools.cache
+def unreachable_hub_id(value: str, repo_type: str) -> str | None:
+    """Why ``value`` (not a local path) cannot be had from the Hub as a ``repo_type`` ('model', 'dataset'); None when
+    it can, or when it is in the local Hub cache (the loader then decides).
+
+    One request and no retries: the loaders' own client retries an unreachable host for half a minute before saying
+    so. An answer other than "no such repository" or "cannot connect" (a gated repo, a rate limit) is left to the
+    loader to report.
+    """
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.file_download import repo_folder_name
+
+    try:
+        if (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=value, repo_type=repo_type)).is_dir():
+            return None
+        if constants.HF_HUB_OFFLINE:
+            return "HF_HUB_OFFLINE is set and it is not in the Hub cache"
+        HfApi().repo_info(value, repo_type=repo_type, timeout=10)
+    except (RepositoryNotFoundError, HFValidationError) as e:
+        return str(e).splitlines()[0]
+    except HfHubHTTPError:
+        return None
+    except Exception as e:  # offline mode, DNS, refused or timed-out connections: each its own type
+        return f"cannot reach the Hub: {str(e).splitlines()[0]}"
+    return None
