@@ -20,6 +20,7 @@ ROLLOUTS_DIR = Path("data/rollouts")
 EVAL_DIR = Path("data/eval")
 EVAL_SAMPLES = EVAL_DIR / "samples.parquet"
 CHECKPOINTS_DIR = Path("data/checkpoints")  # not a DVC output: DVC deletes outputs before rerunning a stage
+CHECKPOINT_PREFIX = "step-"  # CHECKPOINTS_DIR/<stage>/step-NNNNNN: one checkpoint (stages/core/checkpoint.py)
 
 SFT_DIR = Path("models/sft")
 REWARD_DIR = Path("models/reward")
@@ -36,6 +37,36 @@ EVAL_METRICS = Path("metrics/eval.json")
 EVAL_REPORT_DIR = Path("metrics/evaluate")
 EVAL_REPORT = EVAL_REPORT_DIR / "report.md"
 EVAL_HISTOGRAM = EVAL_REPORT_DIR / "score_histogram.csv"
+
+# what each stage writes (dvc.yaml's outs, metrics and plots of the stage): replaced all together when the stage
+# completes, left as they were when it fails (stages/core/io.py's StagedOutputs)
+STAGE_OUTPUTS = {
+    "prepare": (PROMPTS_DIR, PAIRS_DIR, PREPARE_METRICS),
+    "sft": (SFT_DIR, SFT_METRICS, SFT_LOSS),
+    "reward": (REWARD_DIR, REWARD_METRICS, REWARD_SCORES),
+    "ppo": (POLICY_DIR, ROLLOUTS_DIR, PPO_CURVES, PPO_METRICS),
+    "evaluate": (EVAL_DIR, EVAL_REPORT_DIR, EVAL_METRICS),
+}
+STAGED = ".staged"
+
+
+def staging_path(output: Path) -> Path:
+    """Where a stage writes ``output`` until it completes: a hidden sibling (``models/.policy.staged``), on the same
+    file system, so that moving it into place is a rename."""
+    return output.parent / f".{output.name}{STAGED}"
+
+
+def output_path(path: Path) -> Path:
+    """The output a (possibly staged) path stands for, as the user knows it: every ``.<name>.staged`` component
+    read as ``<name>`` (``data/.rollouts.staged/steps-0-9.parquet`` -> ``data/rollouts/steps-0-9.parquet``)."""
+    return Path(*(part[1:-len(STAGED)] if part.startswith(".") and part.endswith(STAGED) else part
+                  for part in path.parts))
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in ``folder``, oldest first (temporaries start with a dot and are never listed)."""
+    return sorted(folder.glob(f"{CHECKPOINT_PREFIX}[0-9]*")) if folder.is_dir() else []
+
 
 LOCAL_SUFFIXES = (".parquet", ".csv", ".jsonl")
 
