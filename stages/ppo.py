@@ -30,8 +30,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stages.core import checkpoint
 from stages.core.batches import Batches, ShuffledBatches
-from stages.core.errors import DataError, Interrupted, ModelError, run_stage
-from stages.core.io import StagedOutputs, naming_disk_full, seed_everything, write_json
+from stages.core.errors import DataError, ModelError, interrupted_at, run_stage
+from stages.core.io import StagedOutputs, seed_everything, write_json
 from stages.core.modeling import check_vocab_match, context_size, initial_policy, load_causal_lm, load_tokenizer
 from stages.core.params import Params, load_params
 from stages.core.paths import POLICY_DIR, PPO_CURVES, PPO_METRICS, ROLLOUTS_DIR, STAGE_OUTPUTS, TRAIN_PROMPTS
@@ -45,7 +45,6 @@ from stages.core.training import pick_device
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-    from dvclive import Live
 
 log = logging.getLogger("ppo")
 
@@ -131,44 +130,35 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
 
     cfg, is_main = trainer.cfg, accelerator.is_main_process
     first, last = (found.step + 1, found.state["last_stats"]) if found is not None else (0, {})
+    writer = RolloutWriter(outputs[ROLLOUTS_DIR]) if is_main else None
     chunk = cfg.checkpoint_every or CHUNK_STEPS
     # only the main process writes curves: another process's Live would read them while they are being written
-    writer = RolloutWriter(outputs[ROLLOUTS_DIR]) if is_main else None
     live = (Live(str(outputs[PPO_CURVES]), save_dvc_exp=False, dvcyaml=False, resume=found is not None)
             if is_main else None)
-    step = first
-    try:
-        with live or contextlib.nullcontext():
-            if live is not None and found is not None:
-                live.step = found.state["live_step"]
-            bar = tqdm(range(first, cfg.steps), desc="ppo", disable=not is_main, initial=first, total=cfg.steps)
-            for step in bar:
-                query_ids, queries = prompts.take(next(order).tolist())
-                result = trainer.step(query_ids, queries, step)
-                if not result.skipped:
-                    last = result.stats
-                    if is_main:
-                        writer.add(experience_rows(step, queries, result.experience, last["objective/kl_coef"]))
-                        log_curves(live, last)
-                    bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
-                if (step + 1) % chunk == 0:
-                    if is_main:
-                        writer.flush()
-                    if ckpt is not None and step + 1 < cfg.steps:
-                        ckpt.save(step, trainer, order, live.step if is_main else 0, last, accelerator)
-    except KeyboardInterrupt:
-        raise Interrupted(step) from None
+    step = first  # the step a Ctrl-C names
+    with live or contextlib.nullcontext(), interrupted_at(lambda: step):
+        if live is not None and found is not None:
+            live.step = found.state["live_step"]
+        bar = tqdm(range(first, cfg.steps), desc="ppo", disable=not is_main, initial=first, total=cfg.steps)
+        for step in bar:
+            query_ids, queries = prompts.take(next(order).tolist())
+            result = trainer.step(query_ids, queries, step)
+            if not result.skipped:
+                last = result.stats
+                if is_main:
+                    writer.add(experience_rows(step, queries, result.experience, last["objective/kl_coef"]))
+                    for key, value in last.items():
+                        live.log_metric(key, value, plot=True)
+                    live.next_step()
+                bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
+            if (step + 1) % chunk == 0:
+                if is_main:
+                    writer.flush()
+                if ckpt is not None and step + 1 < cfg.steps:
+                    ckpt.save(step, trainer, order, live.step if is_main else 0, last, accelerator)
     if is_main:
         writer.flush()
     return last
-
-
-def log_curves(live: Live, stats: dict[str, float]) -> None:
-    """One point of every curve (DVCLive's own writes: a full disk names the curves folder)."""
-    with naming_disk_full(PPO_CURVES):
-        for key, value in stats.items():
-            live.log_metric(key, value, plot=True)
-        live.next_step()
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@ out-of-memory) into a one-line exit."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from stages.core.paths import CHECKPOINTS_DIR, checkpoints, output_path
@@ -42,6 +43,17 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, step: int) -> None:
         super().__init__(step)
         self.step = step
+
+
+@contextlib.contextmanager
+def interrupted_at(step: Callable[[], int]) -> Iterator[None]:
+    """Ctrl-C inside a training loop becomes ``Interrupted(step())``, the step the loop was on."""
+    try:
+        yield
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(step()) from None
 
 
 # what bounds each stage's GPU memory: the advice printed when it runs out

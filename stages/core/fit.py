@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from stages.core import checkpoint
 from stages.core.batches import Batches
-from stages.core.errors import Interrupted, TrainingError
+from stages.core.errors import TrainingError, interrupted_at
 from stages.core.paths import CHECKPOINTS_DIR
 from stages.core.training import warmup_cosine
 
@@ -69,8 +69,8 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
     model.train()
     first, start = len(losses), time.perf_counter()
     bar = tqdm(range(first, plan.steps), desc=plan.section, initial=first, total=plan.steps)
-    step = first
-    try:
+    step = first  # the step a Ctrl-C names
+    with interrupted_at(lambda: step):
         for step in bar:
             for _ in range(plan.accumulation_steps):
                 loss = loss_fn(next(batches))
@@ -87,8 +87,6 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
             if plan.fingerprint and (step + 1) % plan.checkpoint_every == 0 and step + 1 < plan.steps:
                 save(folder, plan, step, model, optimizer, schedule, {
                     "losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})
-    except KeyboardInterrupt:
-        raise Interrupted(step) from None
     if plan.fingerprint:
         checkpoint.clear(folder)
     return FitResult(losses, earlier + time.perf_counter() - start)
