@@ -7,6 +7,7 @@ Writes  metrics/eval.json                     flat keys (see stages/core/evaluat
         data/eval/samples.parquet             query, response_before/after, every score before/after, kl, kl_full
         metrics/evaluate/report.md            before/after summary and examples
         metrics/evaluate/score_histogram.csv  reward score histogram before vs after (the score_histogram plot)
+The outputs are replaced together when the stage completes, or not at all (stages/core/io.py's StagedOutputs).
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ import pyarrow as pa
 
 from stages.core.errors import ModelError, run_stage
 from stages.core.evaluation import REWARD, evaluate_policy, markdown_report
-from stages.core.io import remove_outputs, seed_everything, write_json, write_parquet, write_text
+from stages.core.io import StagedOutputs, seed_everything, write_json, write_parquet, write_text
 from stages.core.modeling import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
 from stages.core.params import Params, load_params
 from stages.core.paths import (
-    EVAL_DIR,
     EVAL_HISTOGRAM,
     EVAL_METRICS,
     EVAL_PROMPTS,
     EVAL_REPORT,
-    EVAL_REPORT_DIR,
     EVAL_SAMPLES,
     POLICY_DIR,
+    STAGE_OUTPUTS,
 )
 from stages.core.plots import histogram
 from stages.core.prompts import check_prompts, read_prompts
@@ -52,6 +52,11 @@ def describe(params: Params, n: int) -> str:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
+    with StagedOutputs(STAGE_OUTPUTS["evaluate"]) as outputs:
+        evaluate(params, outputs)
+
+
+def evaluate(params: Params, outputs: StagedOutputs) -> None:
     names = params.evaluate.judge_names
     prompts = read_prompts(EVAL_PROMPTS)
     device = pick_device()
@@ -71,17 +76,16 @@ def main() -> None:
     check_vocab_match(tokenizer, reference, what)
     check_vocab_match(tokenizer, policy, str(POLICY_DIR))
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens)
-    remove_outputs(EVAL_METRICS, EVAL_DIR, EVAL_REPORT_DIR)
 
     metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts.queries, prompts.input_ids,
                                        params)
 
-    write_parquet(pa.Table.from_pandas(samples, preserve_index=False), EVAL_SAMPLES)
+    write_parquet(pa.Table.from_pandas(samples, preserve_index=False), outputs[EVAL_SAMPLES])
     scores = {"before": samples["reward_before"].to_numpy(), "after": samples["reward_after"].to_numpy()}
-    write_text(histogram(scores, x="bin").to_csv(index=False), EVAL_HISTOGRAM)
+    write_text(histogram(scores, x="bin").to_csv(index=False), outputs[EVAL_HISTOGRAM])
     write_text(markdown_report(samples, metrics, list(scorers), params.evaluate.examples,
-                               describe(params, len(samples))), EVAL_REPORT)
-    write_json(metrics, EVAL_METRICS)
+                               describe(params, len(samples))), outputs[EVAL_REPORT])
+    write_json(metrics, outputs[EVAL_METRICS])
     log.info("evaluate: reward %.3f -> %.3f, positive %.2f -> %.2f, KL %.3f (exact %.3f); report in %s",
              metrics["reference.reward_mean"], metrics["policy.reward_mean"], metrics["reference.positive_rate"],
              metrics["policy.positive_rate"], metrics["kl.mean"], metrics["kl.full_mean"], EVAL_REPORT)

@@ -8,9 +8,11 @@ Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM
         data/rollouts/*.parquet one row per sample per step
         metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput)
         metrics/ppo.json        summary
+The outputs are written under staging siblings (the rollout chunks and curves as the run goes) and replaced together
+when the stage completes, or not at all (stages/core/io.py's StagedOutputs).
 
-With ppo.checkpoint_every > 0 the run saves a checkpoint at every rollout-log flush and, rerun after a kill, resumes
-from the newest one (see stages/core/checkpoint.py).
+With ppo.checkpoint_every > 0 the run saves a checkpoint at every rollout-log flush, with copies of the staged rollout
+chunks and curves, and, rerun after a kill, resumes from the newest one (see stages/core/checkpoint.py).
 
 ppo.advantage_estimator picks the advantages: gae (PPO with a value head) or the critic-free rloo, grpo and
 reinforce_pp; each step draws ppo.batch_size / ppo.samples_per_prompt prompts and answers each samples_per_prompt
@@ -33,11 +35,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stages.core import checkpoint
 from stages.core.batches import Batches, ShuffledBatches
-from stages.core.errors import DataError, ModelError, run_stage
-from stages.core.io import remove_outputs, seed_everything, write_json
+from stages.core.errors import DataError, ModelError, interrupted_at, run_stage
+from stages.core.io import StagedOutputs, seed_everything, write_json
 from stages.core.modeling import check_vocab_match, context_size, initial_policy, load_causal_lm, load_tokenizer
 from stages.core.params import Params, load_params
-from stages.core.paths import POLICY_DIR, PPO_CURVES, PPO_METRICS, ROLLOUTS_DIR, TRAIN_PROMPTS
+from stages.core.paths import POLICY_DIR, PPO_CURVES, PPO_METRICS, ROLLOUTS_DIR, STAGE_OUTPUTS, TRAIN_PROMPTS
 from stages.core.policy import PolicyWithValueHead, disable_dropout, save_policy
 from stages.core.ppo_checkpoint import Checkpointing, find_checkpoint
 from stages.core.prompts import Prompts, check_prompts, read_prompts
@@ -59,17 +61,28 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    cfg = params.ppo
     prompts = read_prompts(TRAIN_PROMPTS)
+    cfg = params.ppo
     if len(prompts) < cfg.prompts_per_step:
         raise DataError(f"{TRAIN_PROMPTS}: {len(prompts)} prompts, fewer than the {cfg.prompts_per_step} a step "
                         f"needs (ppo.batch_size={cfg.batch_size} / ppo.samples_per_prompt={cfg.samples_per_prompt})")
     if cfg.unused_keys:
         log.info("ppo: advantage_estimator %s ignores %s", cfg.advantage_estimator, ", ".join(cfg.unused_keys))
     accelerator = Accelerator(cpu=pick_device().type == "cpu")
+    # only the main process writes outputs
+    with StagedOutputs(STAGE_OUTPUTS["ppo"]) if accelerator.is_main_process else contextlib.nullcontext() as outputs:
+        run(params, prompts, accelerator, outputs)
+
+
+def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: StagedOutputs | None) -> None:
+    """Train from the initial policy (or the newest checkpoint) and write the outputs (``outputs``: None on every
+    process but the main one)."""
+    cfg = params.ppo
     device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
     seed_everything(params.seed + rank)
     policy, ref, tokenizer = load_models(params, device)
+    if is_main:
+        outputs.check_free_space(POLICY_DIR, checkpoint.weights_bytes(policy))
     check_prompts(TRAIN_PROMPTS, prompts, tokenizer, policy.lm, cfg.response_max_tokens)
     scorer = make_reward_scorer(params, device)
     trainer = PPOTrainer(policy, ref, tokenizer, scorer, cfg, device, params.model.precision,
@@ -79,24 +92,22 @@ def main() -> None:
     order = ShuffledBatches(len(prompts), cfg.prompts_per_step, torch.Generator().manual_seed(params.seed), rank,
                             accelerator.num_processes)
     ckpt, found = find_checkpoint(params, policy, accelerator)
-    if is_main:
-        remove_outputs(ROLLOUTS_DIR, PPO_CURVES)
     if found is not None:
         ckpt.restore(found, trainer, order, accelerator)
         log.info("ppo: resuming after step %d from %s", found.step, found.path)
 
     start = time.perf_counter()
-    last = train(trainer, prompts, order, ckpt, found, accelerator)
+    last = train(trainer, prompts, order, ckpt, found, accelerator, outputs)
 
     if is_main:
-        save_policy(trainer.policy, tokenizer, POLICY_DIR)
-        if ckpt is not None:
-            checkpoint.clear(ckpt.folder)
+        save_policy(trainer.policy, tokenizer, outputs[POLICY_DIR])
         summary = {"steps": cfg.steps, "processes": accelerator.num_processes,
                    "seconds": round(time.perf_counter() - start, 1), "skipped_batches": trainer.skipped_batches,
                    **{k: v for k, v in last.items() if k.startswith(("objective/", "throughput/"))}}
-        write_json(summary, PPO_METRICS)
+        write_json(summary, outputs[PPO_METRICS])
         log.info("ppo: %s", summary)
+        if ckpt is not None:
+            checkpoint.clear(ckpt.folder)
 
 
 def load_models(params: Params,
@@ -120,18 +131,21 @@ def load_models(params: Params,
 
 
 def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpointing | None,
-          found: checkpoint.Checkpoint | None, accelerator: Accelerator) -> dict[str, float]:
-    """The steps after the resumed one (if any) to ppo.steps, logging rollouts and curves (main process) and
-    checkpointing at each rollout-log flush. Returns the last step's stats."""
+          found: checkpoint.Checkpoint | None, accelerator: Accelerator,
+          outputs: StagedOutputs | None) -> dict[str, float]:
+    """The steps after the resumed one (if any) to ppo.steps, logging rollouts and curves (main process, under
+    ``outputs``' staging) and checkpointing at each rollout-log flush. Returns the last step's stats."""
     from dvclive import Live
 
     cfg, is_main = trainer.cfg, accelerator.is_main_process
     first, last = (found.step + 1, found.state["last_stats"]) if found is not None else (0, {})
-    writer = RolloutWriter(ROLLOUTS_DIR)
+    writer = RolloutWriter(outputs[ROLLOUTS_DIR]) if is_main else None
     chunk = cfg.checkpoint_every or CHUNK_STEPS
     # only the main process writes curves: another process's Live would read them while they are being written
-    live = Live(str(PPO_CURVES), save_dvc_exp=False, dvcyaml=False, resume=found is not None) if is_main else None
-    with live or contextlib.nullcontext():
+    live = (Live(str(outputs[PPO_CURVES]), save_dvc_exp=False, dvcyaml=False, resume=found is not None)
+            if is_main else None)
+    step = first  # the step a Ctrl-C names
+    with live or contextlib.nullcontext(), interrupted_at(lambda: step):
         if live is not None and found is not None:
             live.step = found.state["live_step"]
         bar = tqdm(range(first, cfg.steps), desc="ppo", disable=not is_main, initial=first, total=cfg.steps)

@@ -5,7 +5,8 @@ Params  STAGE_PARAMS["prepare"] in stages/core/params.py (listed by --help)
 Writes  data/prompts/{train,eval}.parquet   query, input_ids, review_id, label
         data/pairs/{train,test}.parquet     chosen, rejected, chosen_id, rejected_id, chosen_rating, rejected_rating
         metrics/prepare.json                row counts, prompt lengths, seconds
-Everything is read and checked before the first output is written; each output folder is replaced in one rename.
+Everything is read and checked before the first output is written; the outputs are replaced together when the
+stage completes (stages/core/io.py's StagedOutputs), or not at all.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import pyarrow.parquet as pq
 
 from stages.core.data import filter_reviews, load_imdb, warn_if_untracked
 from stages.core.errors import run_stage
-from stages.core.io import atomic_path, write_json
+from stages.core.io import StagedOutputs, atomic_path, write_json
 from stages.core.modeling import load_tokenizer
-from stages.core.params import load_params
-from stages.core.paths import PAIRS_DIR, PREPARE_METRICS, PROMPTS_DIR
+from stages.core.params import Params, load_params
+from stages.core.paths import PAIRS_DIR, PREPARE_METRICS, PROMPTS_DIR, STAGE_OUTPUTS
 from stages.core.tokenization import build_pairs, build_prompts, generator, read_pairs_file, tokenize
 
 log = logging.getLogger("prepare")
@@ -30,8 +31,13 @@ log = logging.getLogger("prepare")
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    start = time.perf_counter()
     params = load_params()
+    with StagedOutputs(STAGE_OUTPUTS["prepare"]) as outputs:
+        prepare(params, outputs)
+
+
+def prepare(params: Params, outputs: StagedOutputs) -> None:
+    start = time.perf_counter()
     p, source = params.prepare, params.data.source
     warn_if_untracked(source, "data.source")
     from_imdb = p.pairs_source == "imdb"
@@ -58,7 +64,7 @@ def main() -> None:
         pairs = read_pairs_file(Path(p.pairs_source), generator(params.seed, "pairs/split"))
 
     for folder, tables in ((PROMPTS_DIR, prompts), (PAIRS_DIR, pairs)):
-        with atomic_path(folder) as tmp:
+        with atomic_path(outputs[folder]) as tmp:
             tmp.mkdir()
             for name, table in tables.items():
                 pq.write_table(table, tmp / f"{name}.parquet")
@@ -72,7 +78,7 @@ def main() -> None:
         "prompt_tokens_mean": round(sum(n * c for n, c in lengths.items()) / lengths.total(), 3),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    write_json(metrics, PREPARE_METRICS)
+    write_json(metrics, outputs[PREPARE_METRICS])
     log.info("prepare: kept %(reviews_kept)s of %(reviews_read)s reviews; prompts %(prompts)s; pairs %(pairs)s; "
              "%(seconds).1f s", metrics)
 

@@ -1,9 +1,10 @@
 """Run a named preset of the pipeline as one DVC experiment: ``python -m stages.recipe offline-cpu``.
 
 A preset is a params overlay in ``presets/<name>.yaml`` (only the keys it changes). The runner validates params.yaml
-with the overlay applied (so a bad preset fails before anything runs), copies local inputs the preset expects under
-``data/raw/`` when they are missing (from ``--imdb`` / ``--tokenizer``), then runs ``dvc exp run`` with one ``-S`` per
-key. The result is an ordinary experiment: ``dvc exp show`` and ``dvc metrics diff`` compare it with any other.
+with the overlay applied (so a bad preset fails before anything is written or run), copies local inputs the preset
+expects under ``data/raw/`` when they are missing (from ``--imdb`` / ``--tokenizer``), then runs ``dvc exp run`` with
+one ``-S`` per key. ``--dry-run`` validates and prints the copies and the command, and writes nothing. The result is an
+ordinary experiment: ``dvc exp show`` and ``dvc metrics diff`` compare it with any other.
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ def load_preset(name: str) -> dict[str, Any]:
     return read_yaml(path) or {}
 
 
-def ensure_local_inputs(changes: dict[str, Any], sources: dict[str, Path], dry_run: bool = False) -> dict[str, Path]:
-    """Copy the local IMDb / tokenizer the preset points at into data/raw/ (a DVC dependency) when missing (with
-    ``dry_run``, only say so); return {target: source} of the copies made or due."""
+def local_inputs(changes: dict[str, Any], sources: dict[str, Path]) -> dict[str, Path]:
+    """{target: source} of the local IMDb / tokenizer copies the preset needs under data/raw/ (a DVC dependency) and
+    that are missing there; a missing source is an error."""
     wanted = [value for value in flatten(changes).values() if isinstance(value, str)]
     copies = {}
     for kind, target in LOCAL_INPUTS.items():
@@ -92,11 +93,34 @@ def ensure_local_inputs(changes: dict[str, Any], sources: dict[str, Path], dry_r
             continue
         if not sources[kind].exists():
             raise ParamsError(f"--{kind}: {sources[kind]} does not exist (the preset needs a copy at {target})")
-        print(f"{'would copy' if dry_run else 'copying'} {sources[kind]} -> {target}")
-        if not dry_run:
-            shutil.copytree(sources[kind], target)
         copies[target] = sources[kind]
     return copies
+
+
+def copy_inputs(copies: dict[str, Path], dry_run: bool) -> None:
+    """Make the ``local_inputs`` copies (with ``dry_run``, only say so)."""
+    from stages.core.io import atomic_path  # imports torch: not for a dry run
+
+    for target, source in copies.items():
+        print(f"{'would copy' if dry_run else 'copying'} {source} -> {target}")
+        if not dry_run:
+            with atomic_path(target) as tmp:  # an interrupted copy must not pass for a complete one next time
+                shutil.copytree(source, tmp)
+
+
+def ensure_local_inputs(changes: dict[str, Any], sources: dict[str, Path], dry_run: bool = False) -> dict[str, Path]:
+    """``local_inputs``, copied (with ``dry_run``, only said); return {target: source} of the copies made or due."""
+    copies = local_inputs(changes, sources)
+    copy_inputs(copies, dry_run)
+    return copies
+
+
+def validate(base: dict[str, Any], changes: dict[str, Any], copies: dict[str, Path]) -> None:
+    """Validate params.yaml with the preset applied, each copy still to be made read as its source (which exists),
+    so that nothing is copied for a preset that would fail."""
+    due = {target: str(source.resolve()) for target, source in copies.items()}
+    parse_params(overlay(base, {key: due.get(value, value) if isinstance(value, str) else value
+                                for key, value in flatten(changes).items()}), ".")
 
 
 def main() -> None:
@@ -104,13 +128,14 @@ def main() -> None:
     parser.add_argument("preset", help="a preset name from presets/ (offline-cpu, offline-gpu)")
     parser.add_argument("--imdb", type=Path, default=Path("../shared/imdb"), help="local IMDb Parquet folder")
     parser.add_argument("--tokenizer", type=Path, default=Path("../shared/gpt2-tokenizer"), help="local tokenizer")
-    parser.add_argument("--dry-run", action="store_true", help="print the dvc command instead of running it")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate, print the copies and the dvc command; write and run nothing")
     args, dvc_args = parser.parse_known_args()
 
     changes = load_preset(args.preset)
-    base = read_yaml(PARAMS_FILE)
-    ensure_local_inputs(changes, {"imdb": args.imdb, "tokenizer": args.tokenizer})
-    parse_params(overlay(base, changes), ".")
+    copies = local_inputs(changes, {"imdb": args.imdb, "tokenizer": args.tokenizer})
+    validate(read_yaml(PARAMS_FILE), changes, copies)
+    copy_inputs(copies, args.dry_run)
 
     command = ["dvc", "exp", "run", *dvc_args]
     for key, value in flatten(changes).items():

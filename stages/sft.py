@@ -6,6 +6,7 @@ Writes  models/sft/           HF model (safetensors) + tokenizer + generation co
                               sft.enabled is false
         metrics/sft.json      held-out perplexity, final loss, tokens, tokens/s
         metrics/sft/loss.csv  the training loss curve (DVC plot)
+The outputs are replaced together when the stage completes, or not at all (stages/core/io.py's StagedOutputs).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import logging
 import numpy as np
 import pandas as pd
 
+from stages.core.checkpoint import weights_bytes
 from stages.core.data import filter_reviews, load_imdb
 from stages.core.errors import run_stage
-from stages.core.io import atomic_path, remove_outputs, seed_everything, write_json, write_text
+from stages.core.io import StagedOutputs, atomic_path, seed_everything, write_json, write_text
 from stages.core.modeling import check_vocab_match, load_tokenizer
-from stages.core.params import load_params
-from stages.core.paths import SFT_DIR, SFT_LOSS, SFT_METRICS
+from stages.core.params import Params, load_params
+from stages.core.paths import SFT_DIR, SFT_LOSS, SFT_METRICS, STAGE_OUTPUTS
 from stages.core.sft import build_model, pack, perplexity, tokens_per_step, train
 from stages.core.training import pick_device, write_disabled
 
@@ -30,17 +32,22 @@ EVAL_BATCH = 16
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
+    with StagedOutputs(STAGE_OUTPUTS["sft"]) as outputs:
+        if params.sft.enabled:
+            train_sft(params, outputs)
+        else:
+            write_disabled(outputs, SFT_DIR, "sft.enabled is false: ppo and evaluate use model.policy",
+                           {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
+
+
+def train_sft(params: Params, outputs: StagedOutputs) -> None:
     s = params.sft
-    if not s.enabled:
-        write_disabled(SFT_DIR, "sft.enabled is false: ppo and evaluate use model.policy",
-                       {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
-        return
-    remove_outputs(SFT_METRICS, SFT_LOSS)
     generator = seed_everything(params.seed)
     tokenizer_path = params.model.tokenizer or (s.base if s.base != "scratch" else params.model.policy)
     tokenizer = load_tokenizer(tokenizer_path, params.model, what="model.tokenizer")
     lm = build_model(params, tokenizer)
     check_vocab_match(tokenizer, lm, "model.tokenizer")
+    outputs.check_free_space(SFT_DIR, weights_bytes(lm))
 
     splits = load_imdb(params.data.source, params.data.revision, [*s.splits, "test"])
     train_text = np.concatenate([splits[name]["text"].to_numpy() for name in s.splits])
@@ -53,15 +60,15 @@ def main() -> None:
     lm.to(device)
     result = train(lm, blocks, params, device, generator)
     ppl = perplexity(lm, held_out, EVAL_BATCH, device)
-    with atomic_path(SFT_DIR) as tmp:
+    with atomic_path(outputs[SFT_DIR]) as tmp:
         lm.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     tail, tokens = result.losses[-20:], len(result.losses) * tokens_per_step(s)
     write_json({"enabled": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
                 "tokens": tokens, "tokens_per_s": round(tokens / result.seconds, 1),
-                "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}, SFT_METRICS)
+                "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}, outputs[SFT_METRICS])
     write_text("step,loss\n" + "".join(f"{step},{loss:.5f}\n" for step, loss in enumerate(result.losses)),
-               SFT_LOSS)
+               outputs[SFT_LOSS])
     logging.getLogger("sft").info("sft: held-out perplexity %.2f after %d tokens", ppl, tokens)
 
 

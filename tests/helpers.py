@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from conftest import set_params
 
 from stages.core.modeling import load_causal_lm, load_tokenizer
 from stages.core.params import ModelParams, PpoParams
+from stages.core.paths import STAGE_OUTPUTS
 from stages.core.policy import PolicyWithValueHead, disable_dropout
 from stages.core.trainer import PPOTrainer
 
@@ -28,6 +30,43 @@ def run(project: Path, *command: str) -> subprocess.CompletedProcess:
 def run_cli(project: Path, stage: str) -> subprocess.CompletedProcess:
     """``python -m stages.<stage>`` in ``project``."""
     return run(project, sys.executable, "-m", f"stages.{stage}")
+
+
+# sft and reward on a tiny model: ~40 steps each with a checkpoint every 5
+SHAPE = {"sft.n_layer": 1, "sft.n_embd": 32, "sft.n_head": 2, "sft.n_positions": 64, "sft.block_size": 32}
+TRAINING = {
+    "sft": SHAPE | {"sft.enabled": True, "sft.batch_size": 8, "sft.max_tokens": 8 * 32 * 40,
+                    "sft.eval_reviews": 8, "sft.warmup_steps": 10, "sft.checkpoint_every": 5},
+    "reward": SHAPE | {"reward.train": True, "reward.base": "scratch", "reward.batch_size": 8, "reward.epochs": 2,
+                       "reward.max_length": 16, "reward.checkpoint_every": 5},
+}
+
+
+def training_project(project: Path, stage: str, imdb_dir: Path, tokenizer_dir: Path) -> None:
+    """``project`` set up for the tiny ``TRAINING[stage]`` run (sft or reward): the local IMDb, the tokenizer, and
+    320 train / 16 test pairs (2 epochs x 40 reward steps)."""
+    set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir), **TRAINING[stage]})
+    (project / "data/pairs").mkdir(parents=True, exist_ok=True)
+    signal_pairs(320, 0).to_parquet(project / "data/pairs/train.parquet")
+    signal_pairs(16, 1).to_parquet(project / "data/pairs/test.parquet")
+
+
+def snapshot(project: Path, stage: str) -> dict[str, bytes]:
+    """The bytes of every file of ``stage``'s outputs (paths.STAGE_OUTPUTS) in ``project``."""
+    files = {}
+    for output in STAGE_OUTPUTS[stage]:
+        path = project / output
+        for file in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
+            files[file.relative_to(project).as_posix()] = file.read_bytes()
+    return files
+
+
+def leftovers(project: Path, stage: str) -> list[str]:
+    """Staging folders, moved-aside outputs and temporaries next to ``stage``'s outputs (a finished run, failed or
+    not, leaves none)."""
+    return sorted(item.relative_to(project).as_posix() for output in STAGE_OUTPUTS[stage]
+                  if (project / output.parent).is_dir()
+                  for item in (project / output.parent).iterdir() if item.name.startswith(f".{output.name}."))
 
 
 def signal_pairs(n: int, seed: int) -> pd.DataFrame:

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from conftest import make_split
 
+from stages.core import data
 from stages.core.data import COLUMNS, filter_reviews, load_imdb, warn_if_untracked
 from stages.core.errors import DataError
 
@@ -124,6 +125,7 @@ def test_hub_source(monkeypatch: pytest.MonkeyPatch) -> None:
                                      for i, s in enumerate(("train", "test"))})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(data, "unreachable_hub_id", lambda value, repo_type: None)  # as if the Hub had it
     splits = load_imdb("someone/imdb", "v1.0", ["train", "test"])
     assert calls == [("someone/imdb", "v1.0")]
     assert splits["test"]["text"].tolist() == make_split(8, seed=1)["text"].tolist()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +46,30 @@ def test_loaders_agree_a_missing_local_path_is_local(tmp_path: Path, monkeypatch
     with pytest.raises(DataError, match=r"^mydir/sub/imdb: no such file or folder$"):
         load_imdb("mydir/sub/imdb", None, ["train"])
 
+
+
+def test_a_missing_path_read_as_a_hub_id_fails_in_one_line_naming_the_key(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``data/imdb`` is a Hub id by its syntax: when no such folder exists, one request (here: offline mode, as the
+    tests run) says it cannot be had, rather than the loaders' retries and their tracebacks."""
+    monkeypatch.chdir(tmp_path)
+    unreachable = r"no such local path, and not reachable as a Hub id \(HF_HUB_OFFLINE is set"
+    with pytest.raises(DataError, match=rf"^data.source: data/imdb: {unreachable}"):
+        load_imdb("data/imdb", None, ["train"])
+    with pytest.raises(ModelError, match=rf"^model.policy: models/nope: {unreachable}"):
+        load_causal_lm("models/nope", ModelParams(), what="model.policy")
+    with pytest.raises(ModelError, match=rf"^model.tokenizer: models/tok: {unreachable}"):
+        load_tokenizer("models/tok", ModelParams())
+
+
+def test_an_unreachable_hub_is_asked_once(tmp_path: Path) -> None:
+    """Online, with nothing listening at the Hub's address: the first refused connection is the answer."""
+    code = "from stages.core.paths import unreachable_hub_id; print(unreachable_hub_id('data/imdb', 'dataset'))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env={
+        **os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
+        "HF_HUB_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("cannot reach the Hub: "), result.stdout
 
 def dvc_paths() -> set[str]:
     """Every data, model and metrics path the stages of dvc.yaml depend on or write (code aside)."""

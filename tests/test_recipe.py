@@ -60,8 +60,9 @@ def test_shipped_presets_are_valid(preset: str, tmp_path: Path, imdb_dir: Path, 
     expected = [f"{key}={as_override(value)}"
                 for key, value in flatten(read_yaml(ROOT / "presets" / f"{preset}.yaml")).items()]
     assert command[3::2] == ["-S"] * len(expected) and command[4::2] == expected
-    if "data.source=data/raw/imdb" in expected:
-        assert (tmp_path / "data/raw/imdb/train.parquet").exists()
+    if "data.source=data/raw/imdb" in expected:  # said, not done: a dry run writes nothing
+        assert f"would copy {imdb_dir} -> data/raw/imdb" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "presets"]
 
 
 @pytest.mark.slow
@@ -106,3 +107,15 @@ def test_a_bad_preset_fails_before_running(tmp_path: Path) -> None:
     assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be > 0 (got -1)"
     result = run_recipe(tmp_path, "nope", "--dry-run")
     assert result.stderr.strip() == "error: presets/nope.yaml: no such preset (known: broken)"
+
+
+def test_a_bad_preset_copies_no_input(tmp_path: Path, imdb_dir: Path) -> None:
+    """Validation comes before the copies into data/raw/ (a DVC dependency): a preset that would fail changes
+    nothing, even without --dry-run."""
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "broken.yaml").write_text("data:\n  source: data/raw/imdb\nppo:\n  batch_size: -1\n")
+    shutil.copy(ROOT / "params.yaml", tmp_path)
+    result = run_recipe(tmp_path, "broken", "--imdb", str(imdb_dir))
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be > 0 (got -1)"
+    assert not (tmp_path / "data").exists()

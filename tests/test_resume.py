@@ -1,8 +1,9 @@
-"""Kill -9 a ppo, sft or reward run at random moments, rerun it, and get exactly what an uninterrupted run gets:
-weights, rollout log, curves, metrics, and evaluate's metrics/eval.json (CPU, tiny models).
+"""Kill -9 (or Ctrl-C) a ppo, sft or reward run at random moments, rerun it, and get exactly what an uninterrupted run
+gets: weights, rollout log, curves, metrics, and evaluate's metrics/eval.json (CPU, tiny models).
 
 Also: a changed param ignores the old run's checkpoint, a completed run leaves no checkpoint behind, and a NaN stop
-keeps the last good checkpoint and rollout files, from which ``ppo.nan_policy: skip`` resumes.
+leaves the previous run's outputs as they were and keeps the last good checkpoint (with its copies of the rollout
+files), from which ``ppo.nan_policy: skip`` resumes.
 
 The kill delays come from a generator seeded by the KILL_SEED environment variable (default 0); each test prints
 the seed and its delays, so a failure can be replayed with the same ones.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -24,7 +26,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import TINY, set_params
-from helpers import run, run_cli, signal_pairs
+from helpers import leftovers, run, run_cli, snapshot, training_project
 from safetensors.torch import load_file
 
 from stages import ppo as ppo_stage
@@ -67,9 +69,10 @@ def start(project: Path, stage: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(project)})
 
 
-def kill_after_progress(project: Path, delay: float, stage: str = "ppo") -> str | None:
-    """Start the stage, wait for a checkpoint newer than the one it resumed from, then SIGKILL it after a random
-    delay (mid-step, mid-flush or mid-save). Returns the newest checkpoint left behind (None: the run finished)."""
+def kill_after_progress(project: Path, delay: float, stage: str = "ppo", how: int = signal.SIGKILL) -> str | None:
+    """Start the stage, wait for a checkpoint newer than the one it resumed from, then send it ``how`` (SIGKILL, or
+    SIGINT: Ctrl-C) after a random delay (mid-step, mid-flush or mid-save). Returns the newest checkpoint left behind
+    (None: the run finished)."""
     before = newest_checkpoint(project, stage)
     process = start(project, stage)
     deadline = time.monotonic() + 120
@@ -80,9 +83,15 @@ def kill_after_progress(project: Path, delay: float, stage: str = "ppo") -> str 
     if process.poll() is not None:
         assert process.returncode == 0, process.stderr.read()
         return None
-    os.kill(process.pid, signal.SIGKILL)
+    os.kill(process.pid, how)
     process.wait()
-    return newest_checkpoint(project, stage)
+    left = newest_checkpoint(project, stage)
+    if how == signal.SIGINT:  # one line, no traceback, naming the checkpoint a rerun resumes from
+        stderr = process.stderr.read()
+        assert process.returncode == 130 and "Traceback" not in stderr, stderr
+        assert re.fullmatch(rf"interrupted( at step \d+)?; checkpoint data/checkpoints/{stage}/{left} kept; "
+                            "rerun to resume", stderr.strip().splitlines()[-1]), stderr
+    return left
 
 
 def outputs(project: Path) -> dict[str, object]:
@@ -111,8 +120,11 @@ def test_killed_runs_resume_to_the_uninterrupted_result(resumable_project: Path,
     assert result.returncode == 0, result.stderr
     assert not (reference / CHECKPOINTS).exists(), "a completed run keeps no checkpoints"
 
-    # the first kill right after a checkpoint appears, so that one surely lands mid-run; two more at random moments
-    left = [kill_after_progress(resumable_project, delay) for delay in draw_delays(kill_delays, 0.0, 2, 0.6)]
+    # the first stop right after a checkpoint appears, so that one surely lands mid-run: a Ctrl-C; then two kill -9 at
+    # random moments
+    delays = draw_delays(kill_delays, 0.0, 2, 0.6)
+    left = [kill_after_progress(resumable_project, delay, how=how)
+            for delay, how in zip(delays, [signal.SIGINT, signal.SIGKILL, signal.SIGKILL], strict=True)]
     assert any(left), "no kill left a checkpoint to resume from"
     result = run(resumable_project)
     assert result.returncode == 0, result.stderr
@@ -168,15 +180,20 @@ def score_with(monkeypatch: pytest.MonkeyPatch, scorer: LengthScorer) -> None:
 
 
 @pytest.mark.slow
-def test_a_nan_stop_keeps_the_last_checkpoint_and_logs_and_skip_resumes_from_them(
+def test_a_nan_stop_keeps_the_outputs_and_the_last_checkpoint_and_skip_resumes_from_it(
         ppo_project: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     set_params(ppo_project, **{"ppo.steps": 8, "ppo.checkpoint_every": 2})
     monkeypatch.chdir(ppo_project)
+    score_with(monkeypatch, LengthScorer())
+    ppo_stage.main()
+    previous = snapshot(ppo_project, "ppo")
+
     score_with(monkeypatch, LengthScorer(nan_call=6))
     with pytest.raises(TrainingError, match=r"^step 5: score: the reward scorer returned NaN/inf"):
         ppo_stage.main()
+    assert snapshot(ppo_project, "ppo") == previous and leftovers(ppo_project, "ppo") == []
     assert newest_checkpoint(ppo_project) == "step-000003"
-    assert sorted(p.name for p in (ppo_project / "data/rollouts").iterdir()) == [
+    assert sorted(p.name for p in Path(CHECKPOINTS, "step-000003/files/rollouts").iterdir()) == [
         "steps-000000-000001.parquet", "steps-000002-000003.parquet"]
 
     set_params(ppo_project, **{"ppo.nan_policy": "skip"})
@@ -218,15 +235,9 @@ def test_a_critic_free_run_resumed_from_its_checkpoint_equals_an_uninterrupted_o
         assert resumed[key] == uninterrupted[key], key
 
 
-# each stage trains a tiny model for ~40 steps with a checkpoint every 5: the sft run draws blocks from a generator,
-# the reward run shuffles the pairs once per epoch (2 epochs), so both kinds of resumed data order are covered
-SHAPE = {"sft.n_layer": 1, "sft.n_embd": 32, "sft.n_head": 2, "sft.n_positions": 64, "sft.block_size": 32}
-SETTINGS = {
-    "sft": SHAPE | {"sft.enabled": True, "sft.batch_size": 8, "sft.max_tokens": 8 * 32 * 40,
-                    "sft.eval_reviews": 8, "sft.warmup_steps": 10, "sft.checkpoint_every": 5},
-    "reward": SHAPE | {"reward.train": True, "reward.base": "scratch", "reward.batch_size": 8, "reward.epochs": 2,
-                       "reward.max_length": 16, "reward.checkpoint_every": 5},
-}
+# each stage trains a tiny model for ~40 steps with a checkpoint every 5 (helpers.TRAINING): the sft run draws blocks
+# from a generator, the reward run shuffles the pairs once per epoch (2 epochs), so both kinds of resumed data order
+# are covered
 OUTPUTS = {"sft": ["models/sft/model.safetensors", "metrics/sft/loss.csv", "metrics/sft.json"],
            "reward": ["models/reward/model.safetensors", "metrics/reward/scores.csv", "metrics/reward.json"]}
 
@@ -245,10 +256,7 @@ def stage_outputs(project: Path, stage: str) -> dict[str, object]:
 def test_a_killed_sft_or_reward_run_resumes_to_the_uninterrupted_result(
         stage: str, project: Path, imdb_dir: Path, tokenizer_dir: Path, tmp_path: Path,
         kill_delays: random.Random) -> None:
-    set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir), **SETTINGS[stage]})
-    (project / "data/pairs").mkdir(parents=True)
-    signal_pairs(320, 0).to_parquet(project / "data/pairs/train.parquet")  # 2 epochs x 40 steps
-    signal_pairs(16, 1).to_parquet(project / "data/pairs/test.parquet")
+    training_project(project, stage, imdb_dir, tokenizer_dir)
     reference = tmp_path / "uninterrupted"
     shutil.copytree(project, reference)
     result = run_cli(reference, stage)

@@ -1,16 +1,16 @@
 """Resumable training checkpoints, kept outside DVC's outputs so that rerunning a killed stage resumes it.
 
 DVC deletes a stage's outputs before it runs, so checkpoints live in ``data/checkpoints/<stage>/`` (git-ignored, not a
-DVC output). Each is a folder ``step-NNNNNN`` written to a temporary sibling and renamed into place, so a kill at any
-moment leaves the previous checkpoint or the new one, never half of one. Its ``state.json`` carries a fingerprint of
-everything that determines the run (params, input files, code, library versions, process count); a checkpoint with
-another fingerprint belongs to another run and is removed. A completed run deletes its checkpoints.
+DVC output). Each is a folder ``step-NNNNNN`` written to a temporary sibling and renamed into place (io.atomic_path),
+so a kill at any moment leaves the previous checkpoint or the new one, never half of one. Its ``state.json`` carries a
+fingerprint of everything that determines the run (params, input files, code, library versions, process count); a
+checkpoint with another fingerprint belongs to another run and is removed. A completed run deletes its checkpoints.
 
 Layout of a checkpoint:
     model.safetensors   every weight of the trained module (policy, and value head and critic where trained)
     optimizer.pt        the optimizer's state (torch.save; loaded with weights_only=True)
     state.json          step, fingerprint, the trainer's scalars, every RNG state (tensors as base64)
-    files/<name>/       copies of outputs written so far (rollout log chunks, curves), restored on resume
+    files/<name>/       copies of the staged outputs written so far (rollout log chunks, curves), restored on resume
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import pickle
 import random
 import shutil
@@ -33,11 +32,13 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from stages.core.errors import PipelineError
+from stages.core.io import atomic_path, check_writable
+from stages.core.io import check_free_space as io_check_free_space
+from stages.core.paths import CHECKPOINT_PREFIX, checkpoints
 
 log = logging.getLogger(__name__)
 
 CODE_DIR = Path(__file__).resolve().parents[1]  # the stages package
-PREFIX = "step-"
 STATE_FILE = "state.json"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -124,49 +125,41 @@ def set_rng_states(states: dict[str, Any], generators: dict[str, torch.Generator
 # --- save, find, restore ---------------------------------------------------------------------------------------------
 
 
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Size of the weights as saved (in their own dtype)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def checkpoint_bytes(model: torch.nn.Module) -> int:
     """Size of one checkpoint: the weights plus AdamW's two moments of every trainable weight."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)  # moments are fp32
-    return weights + ADAM_MOMENTS * trainable
+    return weights_bytes(model) + ADAM_MOMENTS * trainable
 
 
 def check_free_space(folder: Path, needed: int, key: str) -> None:
-    """Stop before training when ``folder``'s disk cannot hold two checkpoints (the new one is written before the
-    old one is removed)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    if free < 2 * needed:
-        raise PipelineError(f"{key}: {folder} has {free / 2**20:.0f} MiB free, checkpoints need about "
-                            f"{2 * needed / 2**20:.0f} MiB (free space, or set {key}: 0 to train without them)")
+    """Stop before training when ``folder`` is not writable or its disk cannot hold two checkpoints (the new one is
+    written before the old one is removed)."""
+    check_writable(folder, folder)
+    io_check_free_space(folder, 2 * needed, key, "checkpoints need",
+                        f" (free space, or set {key}: 0 to train without them)")
 
 
 def save(folder: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any], state: dict[str, Any],
          files: dict[str, Path]) -> Path:
     """Write checkpoint ``step`` atomically (temp sibling, then rename), then remove the older ones."""
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"{PREFIX}{step:06d}"
-    tmp = folder / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, str(tmp / WEIGHTS_FILE))  # handles tied weights (GPT-2's LM head is its embedding)
-    torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-    for name, source in files.items():
-        if source.exists():
-            shutil.copytree(source, tmp / FILES_DIR / name)
-    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}), encoding="utf-8")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    final = folder / f"{CHECKPOINT_PREFIX}{step:06d}"
+    with atomic_path(final) as tmp:
+        tmp.mkdir()
+        save_model(model, str(tmp / WEIGHTS_FILE))  # handles tied weights (GPT-2's LM head is its embedding)
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        for name, source in files.items():
+            if source.exists():
+                shutil.copytree(source, tmp / FILES_DIR / name)
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}), encoding="utf-8")
     for old in checkpoints(folder):
         if old != final:
             shutil.rmtree(old)
     return final
-
-
-def checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints in ``folder``, oldest first (temporaries start with a dot and are never listed)."""
-    return sorted(folder.glob(f"{PREFIX}[0-9]*")) if folder.is_dir() else []
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -190,7 +183,7 @@ def find(folder: Path, fingerprint: str, prune: bool = True) -> Checkpoint | Non
             log.info("removing %s (%s: params, inputs or code changed since)", path, reason)
             shutil.rmtree(path)
     if prune and folder.is_dir():
-        for tmp in folder.glob(f".{PREFIX}*.tmp"):
+        for tmp in folder.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
             shutil.rmtree(tmp, ignore_errors=True)
     return found
 
@@ -210,7 +203,7 @@ def load_optimizer_state(checkpoint: Checkpoint) -> dict[str, Any]:
 
 
 def restore_files(checkpoint: Checkpoint, files: dict[str, Path]) -> None:
-    """Put the outputs saved with the checkpoint back (DVC removed them before rerunning the stage)."""
+    """Put the (staged) outputs saved with the checkpoint back where the resumed run writes them."""
     for name, target in files.items():
         source = checkpoint.path / FILES_DIR / name
         if target.exists():

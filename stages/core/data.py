@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from stages.core.errors import DataError
-from stages.core.paths import RAW, is_local
+from stages.core.paths import RAW, is_local, unreachable_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ def load_imdb(source: str, revision: str | None, splits: Sequence[str]) -> dict[
         frames = {split: _read_split_file(path, split) for split in splits}
     elif is_local(source):
         raise DataError(f"{source}: no such file or folder")
+    elif (reason := unreachable_hub_id(source, "dataset")) is not None:
+        raise DataError(f"data.source: {source}: no such local path, and not reachable as a Hub id ({reason})")
     else:
         frames = _read_hub(source, revision, splits)
     return {split: _normalise(frame, where, split) for split, (frame, where) in frames.items()}

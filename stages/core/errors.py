@@ -1,11 +1,16 @@
-"""One error type for everything a user can get wrong, and the one place that turns it into a one-line exit."""
+"""One error type for everything a user can get wrong, and the one place that turns it (and Ctrl-C, a full disk, GPU
+out-of-memory) into a one-line exit."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from stages.core.paths import CHECKPOINTS_DIR, checkpoints, output_path
 
 
 class PipelineError(Exception):
@@ -28,6 +33,50 @@ class TrainingError(PipelineError):
     """A numerical fault during training (NaN/inf score, loss or gradient)."""
 
 
+class DiskFull(PipelineError):
+    """A write failed for want of disk space (or quota); the message names the output being written."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C inside a training loop, carrying the step it was on."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+@contextlib.contextmanager
+def interrupted_at(step: Callable[[], int]) -> Iterator[None]:
+    """Ctrl-C inside a training loop becomes ``Interrupted(step())``, the step the loop was on."""
+    try:
+        yield
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(step()) from None
+
+
+# what bounds each stage's GPU memory: the advice printed when it runs out
+OUT_OF_MEMORY = {
+    "sft": "lower sft.batch_size (and raise sft.gradient_accumulation_steps to keep the same batch)",
+    "reward": "lower reward.batch_size or reward.max_length",
+    "ppo": "lower ppo.batch_size or ppo.mini_batch_size",
+    "evaluate": "lower evaluate.batch_size",
+}
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC/EDQUOT as an OSError, or as the text of a writer that wraps it (safetensors' Rust I/O error)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(text in str(error) for text in ("No space left on device", "Disk quota exceeded"))
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # a stage that never imported torch cannot have run out of GPU memory
+    return torch is not None and isinstance(error, torch.OutOfMemoryError)
+
+
 def stage_help(main: Callable[[], None]) -> str | None:
     """``--help`` of the stage whose ``main`` this is: its module docstring (what it reads and writes), with the
     docstring's ``Params`` line replaced by the params the stage reads as declared in ``params.STAGE_PARAMS``.
@@ -43,16 +92,50 @@ def stage_help(main: Callable[[], None]) -> str | None:
     return f"usage: python -m stages.{stage} [-h]\n\n{doc}"
 
 
+def interrupted_message(stage: str, step: int | None) -> str:
+    """``interrupted at step N; checkpoint <folder> kept; rerun to resume``, or ``...; nothing written`` (a stage
+    writes its outputs only when it completes); plain ``interrupted`` for a tool that is no pipeline stage."""
+    from stages.core.params import STAGE_PARAMS  # params imports this module
+
+    if stage not in STAGE_PARAMS:
+        return "interrupted"
+    where = "" if step is None else f" at step {step}"
+    kept = checkpoints(CHECKPOINTS_DIR / stage)
+    return f"interrupted{where}; " + (f"checkpoint {kept[-1]} kept; rerun to resume" if kept else "nothing written")
+
+
 def run_stage(main: Callable[[], None]) -> None:
-    """Run a stage's ``main`` and turn a PipelineError into ``error: <message>`` on stderr and exit status 1.
+    """Run a stage's ``main``; a PipelineError, a full disk or GPU out-of-memory becomes ``error: <message>`` on
+    stderr and exit status 1, Ctrl-C one ``interrupted ...`` line and exit status 130.
 
     Anything else is a bug and keeps its traceback. ``-h`` / ``--help`` prints ``stage_help`` and runs nothing.
     """
     if {"-h", "--help"} & set(sys.argv[1:]) and (text := stage_help(main)) is not None:
         print(text, end="")
         raise SystemExit(0)
+    stage = Path(sys.modules[main.__module__].__file__).stem
     try:
         main()
-    except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(interrupted_message(stage, getattr(e, "step", None)), file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as e:
+        message = one_line(e, stage)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def one_line(error: Exception, stage: str) -> str | None:
+    """What to tell the user about ``error``; None for a bug, which keeps its traceback. A full disk not met inside
+    a writer that names its output (io.atomic_path) names the file the OS reported, if any."""
+    if isinstance(error, PipelineError):
+        return str(error)
+    if is_disk_full(error):
+        filename = getattr(error, "filename", None)
+        return (f"disk full writing {output_path(Path(filename))}" if filename
+                else f"disk full ({str(error).splitlines()[0]})")
+    if is_out_of_memory(error) and stage in OUT_OF_MEMORY:
+        return f"out of GPU memory in {stage}: {OUT_OF_MEMORY[stage]}"
+    return None

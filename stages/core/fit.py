@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from stages.core import checkpoint
 from stages.core.batches import Batches
-from stages.core.errors import TrainingError
+from stages.core.errors import TrainingError, interrupted_at
 from stages.core.paths import CHECKPOINTS_DIR
 from stages.core.training import warmup_cosine
 
@@ -69,22 +69,24 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
     model.train()
     first, start = len(losses), time.perf_counter()
     bar = tqdm(range(first, plan.steps), desc=plan.section, initial=first, total=plan.steps)
-    for step in bar:
-        for _ in range(plan.accumulation_steps):
-            loss = loss_fn(next(batches))
-            if not torch.isfinite(loss):
-                raise TrainingError(f"step {step}: {plan.section} loss is NaN/inf "
-                                    f"(lower {plan.section}.learning_rate)")
-            (loss / plan.accumulation_steps).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), plan.max_grad_norm)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{sum(losses[-LOSS_WINDOW:]) / len(losses[-LOSS_WINDOW:]):.3f}")
-        if plan.fingerprint and (step + 1) % plan.checkpoint_every == 0 and step + 1 < plan.steps:
-            save(folder, plan, step, model, optimizer, schedule,
-                 {"losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})
+    step = first  # the step a Ctrl-C names
+    with interrupted_at(lambda: step):
+        for step in bar:
+            for _ in range(plan.accumulation_steps):
+                loss = loss_fn(next(batches))
+                if not torch.isfinite(loss):
+                    raise TrainingError(f"step {step}: {plan.section} loss is NaN/inf "
+                                        f"(lower {plan.section}.learning_rate)")
+                (loss / plan.accumulation_steps).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), plan.max_grad_norm)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{sum(losses[-LOSS_WINDOW:]) / len(losses[-LOSS_WINDOW:]):.3f}")
+            if plan.fingerprint and (step + 1) % plan.checkpoint_every == 0 and step + 1 < plan.steps:
+                save(folder, plan, step, model, optimizer, schedule, {
+                    "losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})
     if plan.fingerprint:
         checkpoint.clear(folder)
     return FitResult(losses, earlier + time.perf_counter() - start)

@@ -6,15 +6,19 @@ from, so a failure reads ``model.policy: ...`` and the user knows which line of 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -22,7 +26,7 @@ from transformers.activations import ACT2FN, NewGELUActivation
 
 from stages.core.errors import ModelError
 from stages.core.params import ModelParams, Params
-from stages.core.paths import SFT_DIR, is_local
+from stages.core.paths import SFT_DIR, is_local, unreachable_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +43,50 @@ def _load_kwargs(name: str, model: ModelParams) -> dict[str, Any]:
 
 
 def check_local_dir(name: str, what: str) -> None:
-    """A local path must be an existing folder with a config.json (a Hub id is checked by the download instead)."""
+    """A local path must be an existing folder with a config.json; anything else must be reachable on the Hub (one
+    request, no retries) or be in its cache."""
+    check_exists(name, what)
+    if is_local(name) and not (Path(name).expanduser() / "config.json").exists():
+        raise ModelError(f"{what}: {name}: not a model folder (no config.json)")
+
+
+def check_exists(name: str, what: str) -> None:
+    """A local folder that exists, or a Hub id that can be had (paths.is_local decides which ``name`` is)."""
+    if is_local(name):
+        if not Path(name).expanduser().is_dir():
+            raise ModelError(f"{what}: {name}: no such directory")
+    elif (reason := unreachable_hub_id(name, "model")) is not None:
+        raise ModelError(f"{what}: {name}: no such local path, and not reachable as a Hub id ({reason})")
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why a .safetensors file cannot be whole (None: its size is what its header describes): an 8-byte header
+    length, the JSON header, then the tensors, which end where the header's last data offset says."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, not even a header"
+        length = int.from_bytes(head, "little")
+        if 8 + length > size:
+            return f"{size} bytes, less than its {length}-byte header"
+        try:
+            header = json.loads(f.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                      default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return "unreadable header"
+    expected = 8 + length + end
+    return None if size == expected else f"{size} bytes, its header describes {expected}"
+
+
+def check_safetensors(name: str, what: str) -> None:
+    """A truncated or empty weights file of a local model fails here, naming the file, not deep inside the loader."""
     if not is_local(name):
         return
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        raise ModelError(f"{what}: {name}: no such directory")
-    if not (path / "config.json").exists():
-        raise ModelError(f"{what}: {name}: not a model folder (no config.json)")
+    for file in sorted(Path(name).expanduser().glob("model*.safetensors")):
+        if (problem := safetensors_problem(file)) is not None:
+            raise ModelError(f"{what}: {file} is truncated or corrupt ({problem})")
 
 
 def check_weights_format(name: str, what: str, allow_pickle: bool) -> None:
@@ -71,8 +111,7 @@ def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
 
     ``padding_side`` defaults to left (generation); None keeps the tokenizer's own.
     """
-    if is_local(name) and not Path(name).expanduser().is_dir():
-        raise ModelError(f"{what}: {name}: no such directory")
+    check_exists(name, what)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **_load_kwargs(name, model))
     except (OSError, ValueError) as e:
@@ -104,13 +143,23 @@ def fast_activations(model: PreTrainedModel) -> PreTrainedModel:
 def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, **kwargs: Any) -> PreTrainedModel:
     check_local_dir(name, what)
     check_weights_format(name, what, model.allow_pickle)
+    check_safetensors(name, what)
     try:
         loaded = auto_cls.from_pretrained(
             name, use_safetensors=None if model.allow_pickle else True, **_load_kwargs(name, model), **kwargs
         )
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise ModelError(f"{what}: cannot load a model from {name!r}: {str(e).splitlines()[0]}") from None
     return fast_activations(loaded)
+
+
+def load_config(name: str, model: ModelParams, what: str) -> PretrainedConfig:
+    """A model's config alone (what it is, how many outputs), to check it before loading its weights."""
+    check_local_dir(name, what)
+    try:
+        return AutoConfig.from_pretrained(name, **_load_kwargs(name, model))
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"{what}: cannot load a model config from {name!r}: {str(e).splitlines()[0]}") from None
 
 
 def load_causal_lm(name: str, model: ModelParams, what: str = "model.policy",

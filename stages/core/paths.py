@@ -6,6 +6,7 @@ Paths are relative to the project root, where DVC runs the stages; dvc.yaml name
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 RAW = Path("data/raw")  # local inputs DVC watches (prepare and sft list it as a dependency)
@@ -19,6 +20,7 @@ ROLLOUTS_DIR = Path("data/rollouts")
 EVAL_DIR = Path("data/eval")
 EVAL_SAMPLES = EVAL_DIR / "samples.parquet"
 CHECKPOINTS_DIR = Path("data/checkpoints")  # not a DVC output: DVC deletes outputs before rerunning a stage
+CHECKPOINT_PREFIX = "step-"  # CHECKPOINTS_DIR/<stage>/step-NNNNNN: one checkpoint (stages/core/checkpoint.py)
 
 SFT_DIR = Path("models/sft")
 REWARD_DIR = Path("models/reward")
@@ -36,6 +38,36 @@ EVAL_REPORT_DIR = Path("metrics/evaluate")
 EVAL_REPORT = EVAL_REPORT_DIR / "report.md"
 EVAL_HISTOGRAM = EVAL_REPORT_DIR / "score_histogram.csv"
 
+# what each stage writes (dvc.yaml's outs, metrics and plots of the stage): replaced all together when the stage
+# completes, left as they were when it fails (stages/core/io.py's StagedOutputs)
+STAGE_OUTPUTS = {
+    "prepare": (PROMPTS_DIR, PAIRS_DIR, PREPARE_METRICS),
+    "sft": (SFT_DIR, SFT_METRICS, SFT_LOSS),
+    "reward": (REWARD_DIR, REWARD_METRICS, REWARD_SCORES),
+    "ppo": (POLICY_DIR, ROLLOUTS_DIR, PPO_CURVES, PPO_METRICS),
+    "evaluate": (EVAL_DIR, EVAL_REPORT_DIR, EVAL_METRICS),
+}
+STAGED = ".staged"
+
+
+def staging_path(output: Path) -> Path:
+    """Where a stage writes ``output`` until it completes: a hidden sibling (``models/.policy.staged``), on the same
+    file system, so that moving it into place is a rename."""
+    return output.parent / f".{output.name}{STAGED}"
+
+
+def output_path(path: Path) -> Path:
+    """The output a (possibly staged) path stands for, as the user knows it: every ``.<name>.staged`` component
+    read as ``<name>`` (``data/.rollouts.staged/steps-0-9.parquet`` -> ``data/rollouts/steps-0-9.parquet``)."""
+    return Path(*(part[1:-len(STAGED)] if part.startswith(".") and part.endswith(STAGED) else part
+                  for part in path.parts))
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in ``folder``, oldest first (temporaries start with a dot and are never listed)."""
+    return sorted(folder.glob(f"{CHECKPOINT_PREFIX}[0-9]*")) if folder.is_dir() else []
+
+
 LOCAL_SUFFIXES = (".parquet", ".csv", ".jsonl")
 
 
@@ -48,3 +80,31 @@ def is_local(value: str) -> bool:
     """
     return (Path(value).expanduser().exists() or value.startswith((".", "/", "~")) or value.count("/") > 1
             or Path(value).suffix.lower() in LOCAL_SUFFIXES)
+
+
+@functools.cache
+def unreachable_hub_id(value: str, repo_type: str) -> str | None:
+    """Why ``value`` (not a local path) cannot be had from the Hub as a ``repo_type`` ('model', 'dataset'); None when
+    it can, or when it is in the local Hub cache (the loader then decides).
+
+    One request and no retries: the loaders' own client retries an unreachable host for half a minute before saying
+    so. An answer other than "no such repository" or "cannot connect" (a gated repo, a rate limit) is left to the
+    loader to report.
+    """
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.file_download import repo_folder_name
+
+    try:
+        if (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=value, repo_type=repo_type)).is_dir():
+            return None
+        if constants.HF_HUB_OFFLINE:
+            return "HF_HUB_OFFLINE is set and it is not in the Hub cache"
+        HfApi().repo_info(value, repo_type=repo_type, timeout=10)
+    except (RepositoryNotFoundError, HFValidationError) as e:
+        return str(e).splitlines()[0]
+    except HfHubHTTPError:
+        return None
+    except Exception as e:  # offline mode, DNS, refused or timed-out connections: each its own type
+        return f"cannot reach the Hub: {str(e).splitlines()[0]}"
+    return None

@@ -1,7 +1,8 @@
 """Checkpoints of a PPO run: what identifies the run, what a checkpoint holds, finding and restoring one.
 
 The ppo stage saves one every ``ppo.checkpoint_every`` steps, right after a rollout-log flush, so the copies of the
-rollout log and the curves it keeps match the trainer's state (the format is in stages/core/checkpoint.py).
+staged rollout log and curves it keeps match the trainer's state (the format is in stages/core/checkpoint.py); a
+resumed run puts them back into the staging.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from stages.core import checkpoint
 from stages.core.batches import Batches
 from stages.core.modeling import initial_policy
 from stages.core.params import Params, stage_params
-from stages.core.paths import CHECKPOINTS_DIR, PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS
+from stages.core.paths import CHECKPOINTS_DIR, PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS, staging_path
 from stages.core.policy import PolicyWithValueHead
 from stages.core.scorers import reward_model_path
 from stages.core.trainer import PPOTrainer
@@ -37,12 +38,12 @@ def run_fingerprint(params: Params, processes: int) -> str:
 
 @dataclass
 class Checkpointing:
-    """Where the ppo stage checkpoints, the run's fingerprint, and the outputs a checkpoint keeps copies of."""
+    """Where the ppo stage checkpoints, the run's fingerprint, and the staged outputs a checkpoint keeps copies of."""
 
     fingerprint: str
     folder: Path = CHECKPOINT_DIR
-    files: dict[str, Path] = dataclasses.field(default_factory=lambda: {"rollouts": ROLLOUTS_DIR,
-                                                                        "curves": PPO_CURVES})
+    files: dict[str, Path] = dataclasses.field(default_factory=lambda: {"rollouts": staging_path(ROLLOUTS_DIR),
+                                                                        "curves": staging_path(PPO_CURVES)})
 
     def save(self, step: int, trainer: PPOTrainer, order: Batches, live_step: int, last: dict[str, float],
              accelerator: Accelerator) -> None:

@@ -13,9 +13,9 @@ from transformers import AutoModelForSequenceClassification, GPT2Config, PreTrai
 
 from stages.core import checkpoint
 from stages.core.batches import ShuffledBatches
-from stages.core.errors import DataError
+from stages.core.errors import DataError, ModelError
 from stages.core.fit import FitPlan, FitResult, fit
-from stages.core.modeling import fast_activations, load_sequence_classifier, load_tokenizer
+from stages.core.modeling import fast_activations, load_config, load_sequence_classifier, load_tokenizer
 from stages.core.params import Params, stage_params
 from stages.core.paths import PAIRS_DIR, SFT_DIR
 from stages.core.training import autocast
@@ -44,9 +44,21 @@ def build(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         model = fast_activations(AutoModelForSequenceClassification.from_config(config))
     else:
+        check_reward_base(path, params, what)
         model = load_sequence_classifier(path, params.model, what=what, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def check_reward_base(path: str, params: Params, what: str) -> None:
+    """The reward model is ``path`` with a one-output score head: a causal LM gets a new one, a classifier must
+    already have exactly one (its head cannot be reshaped)."""
+    config = load_config(path, params.model, what)
+    is_classifier = any(arch.endswith("ForSequenceClassification") for arch in config.architectures or [])
+    if is_classifier and config.num_labels != 1:
+        raise ModelError(f"{what}: {path}: a sequence classifier with {config.num_labels} outputs; reward.base must "
+                         "be 'sft', 'scratch', a causal LM (it gets a one-output score head) or a one-output reward "
+                         "model")
 
 
 def read_pairs(path: str) -> pd.DataFrame:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from stages.core.io import atomic_path, write_text
+from stages.core.io import StagedOutputs, atomic_path, write_text
 
 DISABLED_MARKER = "DISABLED"
 
@@ -66,11 +66,11 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def write_disabled(folder: Path | str, reason: str, files: dict[str, str]) -> None:
+def write_disabled(outputs: StagedOutputs, folder: Path, reason: str, files: dict[Path, str]) -> None:
     """The outputs of a switched-off stage: a folder holding one fixed line, so its hash (and everything downstream)
-    stays put, plus ``files`` (path -> fixed text: the stage's metrics and empty plot files)."""
-    with atomic_path(folder) as tmp:
+    stays put, plus ``files`` (output -> fixed text: the stage's metrics and empty plot files)."""
+    with atomic_path(outputs[folder]) as tmp:
         tmp.mkdir()
         (tmp / DISABLED_MARKER).write_text(reason + "\n", encoding="utf-8")
     for path, text in files.items():
-        write_text(text, path)
+        write_text(text, outputs[path])

@@ -1,0 +1,68 @@
+"""Run a pipeline stage with one fault injected from outside its code: ``python tests/fault.py STAGE --at N --kind K``.
+
+Run in the project folder (the stages package importable). Every call of a Python function whose
+``<file>:<qualified name>`` matches ``--where`` is counted (``sys.settrace``, call events only; ``<file>`` relative to
+the project for its own code, else absolute); the N-th call raises the fault at its first line, inside the real code
+path, and tracing stops. Without ``--at`` the stage runs undisturbed. ``--count FILE`` writes the number of
+matching calls seen to FILE at exit, so a test can draw a point among them. Faults: ``error`` (a RuntimeError, i.e. a
+bug), ``interrupt`` (Ctrl-C), ``disk-full`` (OSError ENOSPC), ``oom`` (torch.OutOfMemoryError).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import errno
+import re
+import runpy
+import sys
+from pathlib import Path
+from types import CodeType, FrameType
+
+
+def fault(kind: str) -> BaseException:
+    if kind == "oom":
+        import torch
+
+        return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    return {"error": RuntimeError("injected fault"), "interrupt": KeyboardInterrupt(),
+            "disk-full": OSError(errno.ENOSPC, "No space left on device")}[kind]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage")
+    parser.add_argument("--at", type=int, help="the matching call that raises (1: the first)")
+    parser.add_argument("--kind", choices=["error", "interrupt", "disk-full", "oom"], default="error")
+    parser.add_argument("--where", default=r"^stages/", help="regex over <file>:<qualified name>")
+    parser.add_argument("--count", type=Path, help="write the number of matching calls here at exit")
+    args = parser.parse_args()
+
+    root, where = Path.cwd().resolve(), re.compile(args.where)
+    matches: dict[CodeType, bool] = {}
+    calls = 0
+
+    def name(code: CodeType) -> str:
+        path = Path(code.co_filename).resolve()
+        return f"{path.relative_to(root) if path.is_relative_to(root) else path}:{code.co_qualname}"
+
+    def trace(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal calls
+        code = frame.f_code
+        if event != "call" or not matches.setdefault(code, bool(where.search(name(code)))):
+            return
+        calls += 1
+        if calls == args.at:
+            sys.settrace(None)
+            print(f"fault: {args.kind} at call {calls}: {name(code)}", file=sys.stderr, flush=True)
+            raise fault(args.kind)
+
+    if args.count is not None:
+        atexit.register(lambda: args.count.write_text(f"{calls}\n"))
+    sys.argv = [f"stages.{args.stage}"]
+    sys.settrace(trace)
+    runpy.run_module(f"stages.{args.stage}", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

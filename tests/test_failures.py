@@ -1,0 +1,278 @@
+"""A failing stage is one line and changes nothing: it either completes and replaces all its outputs, or fails and
+leaves every previous output as it was (checkpoints aside).
+
+Faults go into the real code paths: a truncated or empty safetensors file, an output folder the OS refuses to write
+to (``chattr +i`` when the tests run as root, whom chmod does not stop; chmod otherwise), and faults raised inside a
+running stage by tests/fault.py, which counts the stage's function calls from outside its code (``sys.settrace``) and
+raises at the N-th: torch.OutOfMemoryError, OSError(ENOSPC) from the writers (safetensors, pyarrow), Ctrl-C, a bug.
+
+The random-point test draws where (and what) to fail from a generator seeded by the FAULT_SEED environment variable
+(default 0); it prints the seed and each point, so a failure can be replayed with the same ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import build_tiny_classifier, set_params, write_prompts
+from helpers import leftovers, run, run_cli, snapshot, training_project
+
+from stages import ppo as ppo_stage
+from stages import reward as reward_stage
+from stages.core.errors import ModelError, PipelineError
+from stages.core.io import StagedOutputs, atomic_path, write_text
+from stages.core.modeling import load_causal_lm
+from stages.core.params import ModelParams
+from stages.core.paths import STAGE_OUTPUTS
+from stages.core.scorers import ClassifierScorer
+
+FAULT = Path(__file__).parent / "fault.py"
+STAGES = list(STAGE_OUTPUTS)
+PPO = {"ppo.steps": 4, "ppo.batch_size": 4, "ppo.mini_batch_size": 2, "ppo.checkpoint_every": 2,
+       "ppo.response_min_tokens": 3, "ppo.response_max_tokens": 6, "evaluate.batch_size": 4}
+
+
+# --- a project ready to run each stage on tiny inputs ----------------------------------------------------------------
+
+
+@pytest.fixture
+def stage_project(project: Path, imdb_dir: Path, tokenizer_dir: Path, tiny_gpt2_dir: Path,
+                  tiny_classifier_dir: Path) -> Callable[[str], Path]:
+    """``stage_project(stage)``: the project with the inputs and params of a tiny run of ``stage``."""
+
+    def ready(stage: str) -> Path:
+        if stage == "prepare":
+            set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir),
+                                   "prepare.eval_prompts": 20, "prepare.train_pairs": 30, "prepare.test_pairs": 10})
+        elif stage in ("sft", "reward"):
+            training_project(project, stage, imdb_dir, tokenizer_dir)
+        else:
+            write_prompts(project, tokenizer_dir)
+            set_params(project, **{"model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
+                                   **PPO})
+        if stage == "evaluate":
+            shutil.copy(project / "data/prompts/train.parquet", project / "data/prompts/eval.parquet")
+            shutil.copytree(tiny_gpt2_dir, project / "models/policy")  # the ppo stage's output, an input here
+        return project
+
+    return ready
+
+
+def plant_outputs(project: Path, stage: str) -> dict[str, bytes]:
+    """Stand-ins for a previous run's outputs of ``stage`` (a file, or a folder holding one); their snapshot."""
+    for output in STAGE_OUTPUTS[stage]:
+        path = project / output
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if output.suffix:
+            path.write_text(f"previous {output}\n")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            (path / "previous.txt").write_text(f"previous {output}\n")
+    return snapshot(project, stage)
+
+
+def run_with_fault(project: Path, stage: str, *args: str) -> subprocess.CompletedProcess:
+    """``python tests/fault.py stage *args`` in ``project``."""
+    return run(project, sys.executable, str(FAULT), stage, *args)
+
+
+def last_line(result: subprocess.CompletedProcess) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+# --- one row of issue 17 each ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("truncate", "load", "what"), [
+    (lambda size: size - 100, lambda path: load_causal_lm(str(path), ModelParams(), what="model.policy"),
+     "model.policy"),
+    (lambda size: 0, lambda path: ClassifierScorer(str(path), ModelParams()), "reward.model"),
+], ids=["truncated-policy", "empty-reward-model"])
+def test_a_truncated_or_empty_weights_file_is_named(truncate: Callable[[int], int], load: Callable[[Path], object],
+                                                    what: str, tiny_gpt2_dir: Path, tiny_classifier_dir: Path,
+                                                    tmp_path: Path) -> None:
+    model = shutil.copytree(tiny_gpt2_dir if what == "model.policy" else tiny_classifier_dir, tmp_path / "model")
+    weights = model / "model.safetensors"
+    os.truncate(weights, truncate(weights.stat().st_size))
+    with pytest.raises(ModelError, match=rf"^{what}: {re.escape(str(weights))} is truncated or corrupt \(\d+ bytes"):
+        load(model)
+
+
+def test_a_many_output_reward_base_fails_naming_it_before_anything_changes(
+        stage_project: Callable[[str], Path], tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    project = stage_project("reward")
+    three = build_tiny_classifier(project / "three-labels", tokenizer_dir, num_labels=3)
+    set_params(project, **{"reward.base": str(three)})
+    previous = plant_outputs(project, "reward")
+    monkeypatch.chdir(project)
+    with pytest.raises(ModelError, match=rf"^reward.base: {re.escape(str(three))}: a sequence classifier with 3 "
+                                         r"outputs; reward.base must be 'sft', 'scratch', a causal LM"):
+        reward_stage.main()
+    assert snapshot(project, "reward") == previous and leftovers(project, "reward") == []
+
+
+@contextlib.contextmanager
+def unwritable(folder: Path) -> Iterator[None]:
+    """``folder`` refuses new entries: ``chattr +i`` for root (immutable: root cannot create, rename or delete in it;
+    needs CAP_LINUX_IMMUTABLE and a file system with attributes, as ext4), ``chmod 555`` for anyone else."""
+    root = os.geteuid() == 0
+    if root:
+        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
+            pytest.skip("root without chattr +i here: no way to make a folder unwritable for root")
+    else:
+        folder.chmod(0o555)
+    try:
+        with pytest.raises(OSError):
+            (folder / "probe").write_text("")
+        yield
+    finally:
+        if root:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        else:
+            folder.chmod(0o755)
+
+
+def test_an_unwritable_output_folder_stops_the_stage_before_models_load(stage_project: Callable[[str], Path],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    project = stage_project("ppo")
+    previous = plant_outputs(project, "ppo")
+    monkeypatch.chdir(project)
+    with unwritable(project / "models"), pytest.raises(
+            PipelineError, match=r"^models/policy: cannot write in models/ \(.+\); nothing was run$"):
+        ppo_stage.main()
+    assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
+    assert not (project / "data/checkpoints").exists()  # the models never loaded
+
+
+LOSS = r"^stages/core/sft\.py:train\.<locals>\.loss$"  # one call per micro-batch of the sft training loop
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "where", "at", "kind", "line", "status"), [
+    # out of GPU memory inside each stage's loop names the stage's param to lower (ppo's own test is test_guards')
+    ("sft", LOSS, 3, "oom", "error: out of GPU memory in sft: lower sft.batch_size (and raise "
+     "sft.gradient_accumulation_steps to keep the same batch)", 1),
+    ("reward", r"^stages/core/reward_model\.py:scores$", 1, "oom",
+     "error: out of GPU memory in reward: lower reward.batch_size or reward.max_length", 1),
+    ("evaluate", r"^stages/core/rollout\.py:generate$", 1, "oom",
+     "error: out of GPU memory in evaluate: lower evaluate.batch_size", 1),
+    # a full disk in a writer of a checkpoint (step 1), of the model (the second safetensors file), of a rollout
+    # chunk (mid-run)
+    ("ppo", r"safetensors/torch\.py:save_file$", 2, "disk-full", "error: disk full writing models/policy", 1),
+    ("ppo", r"pyarrow/parquet/core\.py:write_table$", 1, "disk-full",
+     "error: disk full writing data/rollouts/steps-000000-000001.parquet", 1),
+    ("ppo", r"safetensors/torch\.py:save_model$", 1, "disk-full",
+     "error: disk full writing data/checkpoints/ppo/step-000001", 1),
+    # Ctrl-C before and after the first checkpoint (a real SIGINT: test_resume's kill test)
+    ("sft", LOSS, 3, "interrupt", "interrupted at step 2; nothing written", 130),
+    ("ppo", r"^stages/core/trainer\.py:PPOTrainer\.step$", 4, "interrupt",
+     "interrupted at step 3; checkpoint data/checkpoints/ppo/step-000001 kept; rerun to resume", 130),
+], ids=["oom-sft", "oom-reward", "oom-evaluate", "disk-full-model", "disk-full-rollouts", "disk-full-checkpoint",
+        "interrupt-sft", "interrupt-ppo"])
+def test_a_fault_inside_a_stage_is_one_line_and_changes_no_output(
+        stage: str, where: str, at: int, kind: str, line: str, status: int,
+        stage_project: Callable[[str], Path]) -> None:
+    project = stage_project(stage)
+    previous = plant_outputs(project, stage)
+    result = run_with_fault(project, stage, "--where", where, "--at", str(at), "--kind", kind)
+    assert "fault: " in result.stderr, f"the fault was never injected:\n{result.stderr}"
+    assert (result.returncode, last_line(result)) == (status, line), result.stderr
+    assert "Traceback" not in result.stderr
+    assert snapshot(project, stage) == previous and leftovers(project, stage) == []
+
+
+# --- every stage, failed at a random point ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fault_seed() -> int:
+    seed = int(os.environ.get("FAULT_SEED", "0"))
+    print(f"FAULT_SEED={seed}")
+    return seed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_failed_at_a_random_point_leaves_its_previous_outputs_and_a_rerun_completes(
+        stage: str, stage_project: Callable[[str], Path], fault_seed: int, tmp_path: Path) -> None:
+    project = stage_project(stage)
+    counted = tmp_path / "calls"
+    result = run_with_fault(project, stage, "--count", str(counted))  # a complete run: the previous outputs
+    assert result.returncode == 0, result.stderr
+    previous, calls = snapshot(project, stage), int(counted.read_text())
+
+    rng = random.Random(f"{fault_seed}/{stage}")
+    at, kind = rng.randint(1, calls), rng.choice(["error", "interrupt", "oom"])
+    print(f"{stage}: {kind} at call {at} of {calls}")
+    result = run_with_fault(project, stage, "--at", str(at), "--kind", kind)
+    assert "fault: " in result.stderr and result.returncode != 0, result.stderr
+    if kind == "interrupt":
+        assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr
+        assert re.fullmatch(r"interrupted( at step \d+)?; (checkpoint \S+ kept; rerun to resume|nothing written)",
+                            last_line(result)), result.stderr
+    assert snapshot(project, stage) == previous, "the failed run changed an output"
+    assert leftovers(project, stage) == []
+
+    result = run_cli(project, stage)
+    assert result.returncode == 0, result.stderr
+    assert set(snapshot(project, stage)) == set(previous) and leftovers(project, stage) == []
+
+
+# --- the mechanism itself --------------------------------------------------------------------------------------------
+
+
+def test_a_commit_failing_half_way_puts_every_previous_output_back(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    outputs = [Path("metrics/a.json"), Path("data/b")]
+    Path("metrics").mkdir()
+    Path("metrics/a.json").write_text("old a")
+    Path("data/b").mkdir(parents=True)
+    Path("data/b/x").write_text("old b")
+    renames, real_replace = [], os.replace
+
+    def replace_failing_at_the_fourth(src: object, dst: object) -> None:
+        renames.append((src, dst))
+        if len(renames) == 4:  # both previous outputs moved aside, the first new one moved in
+            raise OSError("injected")
+        real_replace(src, dst)
+
+    with pytest.raises(OSError, match="injected"), StagedOutputs(outputs) as staged:
+        write_text("new a", staged[Path("metrics/a.json")])
+        write_text("new b", staged[Path("data/b/x")])
+        monkeypatch.setattr(os, "replace", replace_failing_at_the_fourth)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert len(renames) == 6  # the failed one, then the two previous outputs moved back
+    assert Path("metrics/a.json").read_text() == "old a" and Path("data/b/x").read_text() == "old b"
+    assert sorted(p.name for p in [*Path("metrics").iterdir(), *Path("data").iterdir()]) == ["a.json", "b"]
+
+
+def test_too_little_disk_for_an_output_stops_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    policy = Path("models/policy")
+    with StagedOutputs([policy]) as outputs, pytest.raises(
+            PipelineError, match=r"^models/policy: models has \d+ MiB free, the new output needs about \d+ MiB "):
+        outputs.check_free_space(policy, shutil.disk_usage(tmp_path).free + 2**30)
+
+
+def test_written_files_get_the_users_umask(tiny_gpt2_dir: Path, tmp_path: Path) -> None:
+    """transformers writes model.safetensors 0600 through a temporary file of its own; ours follow the umask."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    lm = load_causal_lm(str(tiny_gpt2_dir), ModelParams())
+    with atomic_path(tmp_path / "model") as tmp:
+        lm.save_pretrained(tmp)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "model", *(tmp_path / "model").iterdir()]}
+    assert modes == {"model": 0o777 & ~umask} | {name: 0o666 & ~umask for name in modes if name != "model"}
+    assert "model.safetensors" in modes
