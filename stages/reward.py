@@ -20,18 +20,15 @@ from stages.core.params import Params, load_params
 from stages.core.paths import REWARD_DIR, REWARD_METRICS, REWARD_SCORES, STAGE_OUTPUTS, TEST_PAIRS, TRAIN_PAIRS
 from stages.core.plots import histogram
 from stages.core.reward_model import build, evaluate, read_pairs, train
-from stages.core.training import pick_device, write_disabled
+from stages.core.training import pick_device, run_switchable
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    with StagedOutputs(STAGE_OUTPUTS["reward"]) as outputs:
-        if params.reward.train:
-            train_reward(params, outputs)
-        else:
-            write_disabled(outputs, REWARD_DIR, "reward.train is false: ppo and evaluate score with reward.model",
-                           {REWARD_METRICS: '{"trained": false}\n', REWARD_SCORES: "score,positive,negative\n"})
+    run_switchable(STAGE_OUTPUTS["reward"], params.reward.train, lambda outputs: train_reward(params, outputs),
+                   REWARD_DIR, "reward.train is false: ppo and evaluate score with reward.model",
+                   {REWARD_METRICS: '{"trained": false}\n', REWARD_SCORES: "score,positive,negative\n"})
 
 
 def train_reward(params: Params, outputs: StagedOutputs) -> None:

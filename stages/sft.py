@@ -24,7 +24,7 @@ from stages.core.modeling import check_vocab_match, load_tokenizer
 from stages.core.params import Params, load_params
 from stages.core.paths import SFT_DIR, SFT_LOSS, SFT_METRICS, STAGE_OUTPUTS
 from stages.core.sft import build_model, pack, perplexity, tokens_per_step, train
-from stages.core.training import pick_device, write_disabled
+from stages.core.training import pick_device, run_switchable
 
 EVAL_BATCH = 16
 
@@ -32,12 +32,9 @@ EVAL_BATCH = 16
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    with StagedOutputs(STAGE_OUTPUTS["sft"]) as outputs:
-        if params.sft.enabled:
-            train_sft(params, outputs)
-        else:
-            write_disabled(outputs, SFT_DIR, "sft.enabled is false: ppo and evaluate use model.policy",
-                           {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
+    run_switchable(STAGE_OUTPUTS["sft"], params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
+                   "sft.enabled is false: ppo and evaluate use model.policy",
+                   {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
 
 
 def train_sft(params: Params, outputs: StagedOutputs) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -66,11 +67,17 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def write_disabled(outputs: StagedOutputs, folder: Path, reason: str, files: dict[Path, str]) -> None:
-    """The outputs of a switched-off stage: a folder holding one fixed line, so its hash (and everything downstream)
-    stays put, plus ``files`` (output -> fixed text: the stage's metrics and empty plot files)."""
-    with atomic_path(outputs[folder]) as tmp:
-        tmp.mkdir()
-        (tmp / DISABLED_MARKER).write_text(reason + "\n", encoding="utf-8")
-    for path, text in files.items():
-        write_text(text, outputs[path])
+def run_switchable(stage_outputs: Iterable[Path], enabled: bool, train: Callable[[StagedOutputs], None], folder: Path,
+                   reason: str, files: dict[Path, str]) -> None:
+    """Run a stage that params can switch off, all its outputs replaced together (``StagedOutputs``): ``train`` when
+    enabled; else ``folder`` holding one fixed line, so its hash (and everything downstream) stays put, plus ``files``
+    (output -> fixed text: the stage's metrics and empty plot files)."""
+    with StagedOutputs(stage_outputs) as outputs:
+        if enabled:
+            train(outputs)
+            return
+        with atomic_path(outputs[folder]) as tmp:
+            tmp.mkdir()
+            (tmp / DISABLED_MARKER).write_text(reason + "\n", encoding="utf-8")
+        for path, text in files.items():
+            write_text(text, outputs[path])
