@@ -118,7 +118,8 @@ def test_a_judge_that_cannot_load_fails_first_naming_its_key(stage_dir: Path, pr
 
 def test_a_hub_judge_that_cannot_be_fetched_fails_naming_its_key(stage_dir: Path, previous_metrics: None) -> None:
     set_params(stage_dir, **{"evaluate.judges": ["nobody/no-such-classifier"]})
-    with pytest.raises(ModelError, match=r"^evaluate\.judges\[0\]: cannot load a model from 'nobody/no-such-class"):
+    with pytest.raises(ModelError, match=r"^evaluate\.judges\[0\]: nobody/no-such-classifier: no such local path, "
+                                          r"and not reachable as a Hub id"):
         main()
     assert outputs_untouched()
 
