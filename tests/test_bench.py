@@ -9,14 +9,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import pandas as pd
 import pytest
 import torch
 
-from bench import compare, decode_step, ppo_step
+from bench import compare, decode_step, logprob_error, ppo_step
 from bench.configs import (
     CONFIGS,
     add_common_args,
@@ -156,3 +158,36 @@ def test_decode_step_counts_fewer_python_calls_for_the_static_decoder(capsys,
     # operator counts are deterministic (timings on a shared CPU are not: they are printed, not asserted)
     assert 0 < static["top_level_ops_per_step"] < dynamic["top_level_ops_per_step"]
     assert 0 < static["ops_per_step"] < dynamic["ops_per_step"]
+
+
+def tf32_by_frexp(x: float, truncate: bool) -> float:
+    """The slow reference: x = m 2^e with 0.5 <= |m| < 1; TF32 keeps 11 significant bits of m."""
+    m, e = math.frexp(x)
+    scaled = m * 2**11
+    kept = math.trunc(scaled) if truncate else round(scaled)  # round: to nearest, ties to even
+    return math.ldexp(kept, e - 11)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_round_to_tf32_keeps_11_significant_bits(truncate: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(2000) * 10.0 ** torch.randint(-6, 6, (2000,)),
+                   torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 1 - 2**-24, 0.0])])  # ties, a carry
+    ours = logprob_error.round_to_tf32(x, truncate)
+    assert ours.tolist() == [tf32_by_frexp(v, truncate) for v in x.tolist()]
+
+
+def test_logprob_error_puts_fp32_at_float64_and_a_bf16_head_furthest(tiny_gpt2_dir: Path, tmp_path: Path, capsys,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = load_tokenizer(str(tiny_gpt2_dir), ModelParams())
+    queries = ["a great film", "the worst plot", "I loved it", "boring and long"]
+    pd.DataFrame({"query": queries, "input_ids": [tokenizer(q)["input_ids"] for q in queries]}).to_parquet(
+        tmp_path / "eval.parquet")
+    result = run_main(logprob_error, ["--model", str(tiny_gpt2_dir), "--prompt-file", str(tmp_path / "eval.parquet"),
+                                      "--prompts", "4", "--tokens", "6", "--batch-size", "3", "--threads", "1"],
+                      monkeypatch, capsys)["results"]
+    assert set(result) == {"fp32", "bf16", "fp32+tf32-head", "bf16+tf32-head", "bf16+tf32-head-truncated",
+                           "bf16+bf16-head"}
+    assert result["fp32"]["token_max"] < 1e-5
+    assert 0 < result["fp32+tf32-head"]["token_mean"] < result["bf16+bf16-head"]["token_mean"]
+    assert result["bf16"]["token_mean"] < result["bf16+bf16-head"]["token_mean"]

@@ -1,11 +1,14 @@
-"""Shared training pieces: the CPU bf16 probe's fallback, the precision rule and the LR schedule."""
+"""Shared training pieces: the CPU bf16 probe's fallback, the precision rule, the LM head's matmul precision and the LR
+schedule."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from stages.core import training
+from stages.core.policy import lm_head
 
 
 @pytest.mark.parametrize("present", [(), ("_is_amx_tile_supported",), ("_is_avx512_bf16_supported",)])
@@ -23,6 +26,48 @@ def test_without_the_probes_auto_precision_on_cpu_is_fp32(monkeypatch: pytest.Mo
         monkeypatch.delattr(torch.cpu, name, raising=False)
     assert training.mixed_precision(torch.device("cpu"), "auto") is None
     assert training.mixed_precision(torch.device("cpu"), "bf16") is torch.bfloat16
+
+
+def cuda_matmul_setting() -> object:
+    matmul = torch.backends.cuda.matmul
+    return matmul.fp32_precision if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
+
+
+def test_cuda_matmul_precision_holds_for_the_block_and_restores_torch_s_setting() -> None:
+    before = cuda_matmul_setting()
+    with pytest.raises(KeyError), training.cuda_matmul_precision("tf32"):
+        assert cuda_matmul_setting() in ("tf32", True)
+        raise KeyError  # an error inside the block restores the setting too
+    assert cuda_matmul_setting() == before
+
+
+def tiny_lm(n_embd: int = 64) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=16, n_embd=n_embd, n_layer=1, n_head=2))
+
+
+def test_on_cpu_the_lm_head_is_full_fp32_even_under_bf16_autocast() -> None:
+    lm, hidden = tiny_lm(), torch.randn(2, 3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert training.head_precision(hidden.device) == "ieee"  # CPUs have no TF32
+        mixed = lm_head(lm, hidden.bfloat16())
+    assert mixed.dtype == torch.float32
+    assert torch.equal(mixed, lm_head(lm, hidden.bfloat16().float()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 needs a CUDA GPU; on CPU the head is fp32 (above)")
+def test_on_cuda_under_bf16_autocast_the_lm_head_runs_in_tf32() -> None:
+    lm, hidden = tiny_lm(768).cuda(), torch.randn(4, 16, 768, device="cuda")
+    before = cuda_matmul_setting()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert training.head_precision(hidden.device) == "tf32"
+        mixed = lm_head(lm, hidden)
+    assert cuda_matmul_setting() == before
+    with training.cuda_matmul_precision("ieee"):
+        full = lm_head(lm, hidden)
+    assert mixed.dtype == torch.float32
+    assert not torch.equal(mixed, full)  # TF32 rounded the inputs
+    torch.testing.assert_close(mixed, full, rtol=0, atol=2e-3 * full.abs().max().item())
 
 
 def test_warmup_then_cosine_to_the_floor() -> None:

@@ -79,8 +79,8 @@ class ModelParams(Section):
     allow_pickle: bool = False
     """Accept pickled (.bin) checkpoints, loaded with weights_only=True. Off: safetensors only."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Training matmuls in bf16 (autocast; LM head, losses and optimizer stay fp32) or fp32. auto: bf16 on CUDA and
-    on CPUs with native bf16 matmuls (AMX / AVX-512 BF16), fp32 elsewhere."""
+    """Training matmuls in bf16 (autocast; PPO's LM head stays fp32, TF32 on CUDA; losses and optimizer fp32) or fp32.
+    auto: bf16 on CUDA and on CPUs with native bf16 matmuls (AMX / AVX-512 BF16), fp32 elsewhere."""
 
 
 def _at_most(model: BaseModel, key: str, limit: str, section: str) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stages.core.io import atomic_path
-from stages.core.training import full_precision
+from stages.core.training import cuda_matmul_precision, full_precision, head_precision
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -101,9 +101,11 @@ def lm_head(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     bf16 keeps 8 bits of mantissa: between 64 and 128 its steps are 0.5 apart, so rounding GPT-2's large logits
     would move every log-prob by up to 0.25 nats, no small thing next to a PPO clip range of 0.2. The body may run
     in bf16: the head's dot products average its rounding out, and what they share across tokens cancels in the
-    log-softmax.
+    log-softmax. On CUDA under bf16 autocast the head's matmul runs in TF32 (``training.head_precision``): its
+    inputs keep 11 significant bits, 3 more than bf16, and the logits stay fp32 (BENCHMARKS.md, "bf16 tolerance").
     """
-    with full_precision(hidden.device):
+    device = hidden.device
+    with cuda_matmul_precision(head_precision(device)), full_precision(device):
         return lm.get_output_embeddings()(hidden.float())
 
 

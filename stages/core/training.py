@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -52,6 +52,33 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
     """Leave autocast inside a mixed-precision block, for the numerically sensitive tail of a model."""
     return torch.autocast(device.type, enabled=False)
+
+
+def head_precision(device: torch.device) -> str:
+    """How the LM head's fp32 matmul runs at this point: 'tf32' on CUDA inside bf16 autocast (a run that chose mixed
+    precision), 'ieee' (full fp32) elsewhere; CPUs have no TF32, so the CPU path never changes."""
+    return "tf32" if device.type == "cuda" and torch.is_autocast_enabled(device.type) else "ieee"
+
+
+@contextlib.contextmanager
+def cuda_matmul_precision(precision: str) -> Iterator[None]:
+    """fp32 CUDA matmuls in ``precision`` ('tf32': inputs rounded to 11 significant bits, fp32 accumulation and output,
+    8x the fp32 rate of an H100; 'ieee': fp32) for the block, torch's own setting restored after. A no-op for other
+    devices' matmuls."""
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")  # torch >= 2.9; mixing it with allow_tf32 is an error there
+    before = matmul.fp32_precision if new_api else matmul.allow_tf32
+    if new_api:
+        matmul.fp32_precision = precision
+    else:
+        matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        if new_api:
+            matmul.fp32_precision = before
+        else:
+            matmul.allow_tf32 = before
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
