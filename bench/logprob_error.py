@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from bench.configs import set_threads
+from stages.core.logprobs import logprobs_and_entropy
 from stages.core.modeling import load_causal_lm, load_tokenizer
 from stages.core.params import ModelParams
 from stages.core.policy import backbone_hidden, disable_dropout
-from stages.core.ppo import logprobs_and_entropy
 from stages.core.prompts import read_prompts
 from stages.core.rollout import Samples, SamplingParams, forward, generate
 from stages.core.training import autocast, pick_device

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bench import compare, decode_step, logprob_error, ppo_step
+from bench import compare, decode_step, logprob_error, ppo_step, sft_step
 from bench.configs import (
     CONFIGS,
     add_common_args,
@@ -191,3 +191,15 @@ def test_logprob_error_puts_fp32_at_float64_and_a_bf16_head_furthest(tiny_gpt2_d
     assert result["fp32"]["token_max"] < 1e-5
     assert 0 < result["fp32+tf32-head"]["token_mean"] < result["bf16+bf16-head"]["token_mean"]
     assert result["bf16"]["token_mean"] < result["bf16+bf16-head"]["token_mean"]
+
+
+def test_sft_step_times_both_losses_on_the_same_model_and_batch(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(Path(__file__).parents[1])  # presets/ and params.yaml
+    result = run_main(sft_step, ["--preset", "offline-cpu", "--batch-size", "2", "--iters", "1", "--threads", "1"],
+                      monkeypatch, capsys)
+    ours, hf = result["results"]["ours"], result["results"]["hf"]
+    assert (result["batch_size"], result["block_size"]) == (2, 64)
+    assert ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0
+    assert result["speedup"] == pytest.approx(hf["s_per_step"] / ours["s_per_step"])
+    # like for like: the same initial model and batch give the same loss (bf16 rounding apart)
+    assert ours["first_loss"] == pytest.approx(hf["first_loss"], rel=1e-2)

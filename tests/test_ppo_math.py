@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from stages.core import logprobs as lp
 from stages.core import ppo
 
 B, T, V = 5, 7, 11
@@ -49,7 +50,7 @@ def case(request: pytest.FixtureRequest) -> tuple[torch.Generator, torch.Tensor]
 def chunk_elements(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the vocabulary reductions in one chunk, one row per chunk, and two rows per chunk (ragged last chunk)."""
     if request.param is not None:
-        monkeypatch.setattr(ppo, "_CHUNK_ELEMENTS", request.param)
+        monkeypatch.setattr(lp, "CHUNK_ELEMENTS", request.param)
 
 
 # --- masked statistics -----------------------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def test_logprobs_from_logits(dtype: torch.dtype, chunk_elements) -> None:
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(B, T, V, generator=g) * 3).to(dtype)
     labels = torch.randint(0, V, (B, T), generator=g)
-    got = ppo.logprobs_from_logits(logits, labels)
+    got = lp.logprobs_from_logits(logits, labels)
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     for i in range(B):
         for t in range(T):
@@ -125,7 +126,7 @@ def test_logprobs_gradient_matches_log_softmax_gather(dtype: torch.dtype, chunk_
     logits = (torch.randn(B, T, V, generator=g, dtype=torch.float64) * 3).to(dtype).requires_grad_()
     labels = torch.randint(0, V, (B, T), generator=g)
     weights = torch.randn(B, T, generator=g, dtype=torch.float64)
-    logprobs, entropy = ppo.logprobs_and_entropy(logits, labels)
+    logprobs, entropy = lp.logprobs_and_entropy(logits, labels)
     assert not entropy.requires_grad  # a diagnostic: no gradient flows through it
     (logprobs * weights).sum().backward()
     ours, logits.grad = logits.grad, None
@@ -136,12 +137,31 @@ def test_logprobs_gradient_matches_log_softmax_gather(dtype: torch.dtype, chunk_
     torch.testing.assert_close(ours.double(), logits.grad.double(), **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_cross_entropy_is_the_mean_negative_log_softmax_of_the_labels(dtype: torch.dtype, chunk_elements) -> None:
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(B * T, V, generator=g, dtype=torch.float64) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (B * T,), generator=g)
+    loss = lp.cross_entropy(logits, labels)
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    rows_z = [[logits[n, v].double().item() for v in range(V)] for n in range(B * T)]
+    expected = sum(logsumexp_loop(z) - z[y] for z, y in zip(rows_z, labels.tolist(), strict=True)) / (B * T)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)  # in float32 on the upcast logits, even for bf16
+    (3 * loss).backward()
+    # d/dz_v of the mean: (softmax(z)_v - [v == y]) / N for each row
+    softmax = torch.softmax(logits.detach().double(), -1)
+    naive = 3 * (softmax - torch.nn.functional.one_hot(labels, V).double()) / (B * T)
+    assert logits.grad.dtype == dtype
+    tolerance = {} if dtype == torch.float64 else {"rtol": 1e-2, "atol": 1e-5}  # bf16 rounds the gradient itself
+    torch.testing.assert_close(logits.grad.double(), naive, **tolerance)
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
 def test_entropy(dtype: torch.dtype, grad: bool, chunk_elements) -> None:
     logits = (torch.randn(B, T, V, generator=torch.Generator().manual_seed(1)) * 2).to(dtype).requires_grad_(grad)
     labels = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
-    logprobs, got = ppo.logprobs_and_entropy(logits, labels)
+    logprobs, got = lp.logprobs_and_entropy(logits, labels)
     for i in range(B):
         for t in range(T):
             z = logits[i, t].double().tolist()
@@ -155,8 +175,8 @@ def random_policies(seed: int, dtype: torch.dtype = torch.float64) -> tuple[torc
     g = torch.Generator().manual_seed(seed)
     logits, ref_logits = (torch.randn(B, T, V, generator=g).to(dtype) for _ in range(2))
     labels = torch.randint(0, V, (B, T), generator=g)
-    return logits, ref_logits, labels, ppo.logprobs_from_logits(logits, labels), ppo.logprobs_from_logits(ref_logits,
-                                                                                                           labels)
+    return logits, ref_logits, labels, lp.logprobs_from_logits(logits, labels), lp.logprobs_from_logits(ref_logits,
+                                                                                                     labels)
 
 
 def full_kl_loop(logits: torch.Tensor, ref_logits: torch.Tensor, i: int, t: int) -> float:

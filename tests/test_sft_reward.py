@@ -59,6 +59,23 @@ def test_perplexity_matches_a_token_loop(tiny_gpt2_dir: Path) -> None:
     assert sft.perplexity(lm, blocks, batch_size=2, device=CPU) == pytest.approx(math.exp(nll / n), rel=1e-4)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_next_token_loss_and_its_gradient_are_hugging_face_s(tiny_gpt2_dir: Path, precision: str) -> None:
+    """The training loss is what ``lm(input_ids, labels=input_ids).loss`` computes, under the same autocast."""
+    lm = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
+    blocks = torch.randint(0, 300, (3, 10), generator=torch.Generator().manual_seed(0))
+    ours = sft.next_token_loss(lm, blocks, precision)
+    ours.backward()
+    our_grads = [p.grad.clone() for p in lm.parameters()]
+    lm.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        theirs = lm(input_ids=blocks, labels=blocks).loss
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-5)
+    for mine, p in zip(our_grads, lm.parameters(), strict=True):
+        torch.testing.assert_close(mine, p.grad, rtol=1e-3, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_sft_loss_goes_down_and_reloads(tokenizer_dir: Path, imdb_dir: Path, tokenizer, tmp_path: Path) -> None:
     params = tiny_params(tokenizer_dir)

@@ -19,8 +19,9 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from stages.core.logprobs import logprobs_from_logits
 from stages.core.params import Params
-from stages.core.ppo import kl_penalty, logprobs_from_logits
+from stages.core.ppo import kl_penalty
 from stages.core.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
 from stages.core.scorers import Scorer
 

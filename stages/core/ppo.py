@@ -8,10 +8,10 @@ contiguous run of any length >= 1, padded on the left or the right. The formulas
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
+
+from stages.core.logprobs import in_chunks, upcast
 
 # ---------------------------------------------------------------------------------------------------------------------
 # masked statistics
@@ -65,86 +65,11 @@ def last_true_indices(mask: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# log-probabilities and KL
-
-
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    """At least float32: a bf16 logsumexp or softmax over 50k entries keeps too few digits."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
-_CHUNK_ELEMENTS = 2**24  # 64 MB per fp32 temporary: few kernel launches, bounded peak memory
-
-
-def _in_chunks(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], *tensors: torch.Tensor):
-    """``fn`` on chunks of whole batch rows, concatenated: its fp32 temporaries stay near _CHUNK_ELEMENTS, not
-    (B, T, V), which for GPT-2's 50k vocabulary would double or triple the memory of the logits themselves."""
-    rows = max(1, _CHUNK_ELEMENTS // max(1, tensors[0][0].numel()))
-    outs = [fn(*chunk) for chunk in zip(*(x.split(rows) for x in tensors), strict=True)]
-    if isinstance(outs[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
-    return torch.cat(outs)
-
-
-def _softmax_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(b, T, V) logits, (b, T) labels -> log p(label) (b, T), entropy (b, T), softmax p (b, T, V).
-
-    One temporary of the logits' size (p, built in place) and no log_softmax copy: every fresh (b, T, V) tensor
-    costs page faults on the CPU, as much as the arithmetic.
-    """
-    z = _upcast(logits)
-    top = z.amax(-1, keepdim=True)
-    p = torch.sub(z, top).exp_()  # shifted by the max so exp cannot overflow
-    total = p.sum(-1, keepdim=True)
-    p.div_(total)
-    lse = (top + total.log()).squeeze(-1)  # logsumexp(z)
-    logprobs = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - torch.linalg.vecdot(p, z)  # logsumexp(z) - sum_v p_v z_v
-    return logprobs, entropy, p
-
-
-class _LogprobsEntropy(torch.autograd.Function):
-    """Differentiable in the log-probs, whose gradient d log p_y / dz = onehot(y) - p reuses the forward's softmax.
-
-    The entropy is a diagnostic (no gradient). Backward overwrites the saved softmax, so it runs once.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs, entropy, p = _softmax_stats(logits, labels)
-        ctx.save_for_backward(p, labels)
-        ctx.logits_dtype = logits.dtype
-        ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor, None]:
-        p, labels = ctx.saved_tensors
-        g = grad_logprobs.unsqueeze(-1).to(p.dtype)
-        grad = p.mul_(-g).scatter_add_(-1, labels.unsqueeze(-1), g)  # g * (onehot(y) - p), in p's memory
-        return grad.to(ctx.logits_dtype), None
-
-
-def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T, V) logits, (B, T) labels -> log p(label) and the entropy of softmax(logits), each (B, T), in at least
-    float32 (float64 for float64 logits). Differentiable in the log-probs.
-
-    Equals ``log_softmax(logits).gather(labels)`` and ``-(softmax * log_softmax).sum(-1)`` without materialising
-    the (B, T, V) log_softmax. Without gradients it runs on row chunks to bound the temporaries' memory.
-    """
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _LogprobsEntropy.apply(logits, labels)
-    return _in_chunks(lambda z, y: _softmax_stats(z, y)[:2], logits, labels)
-
-
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) logits, (B, T) labels -> (B, T) log p(label): ``logprobs_and_entropy`` without the entropy."""
-    return logprobs_and_entropy(logits, labels)[0]
+# KL
 
 
 def _chunk_full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    logp, ref_logp = F.log_softmax(_upcast(logits), -1), F.log_softmax(_upcast(ref_logits), -1)  # (b, T, V)
+    logp, ref_logp = F.log_softmax(upcast(logits), -1), F.log_softmax(upcast(ref_logits), -1)  # (b, T, V)
     return (logp.exp() * (logp - ref_logp)).sum(-1)
 
 
@@ -169,7 +94,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str = "
     if mode == "full":
         if logits is None or ref_logits is None:
             raise ValueError("kl_penalty: mode 'full' needs logits and ref_logits")
-        return _in_chunks(_chunk_full_kl, logits, ref_logits)
+        return in_chunks(_chunk_full_kl, logits, ref_logits)
     raise ValueError(f"kl_penalty: unknown mode {mode!r} (expected kl, abs, mse, k3 or full)")
 
 

@@ -12,8 +12,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from stages.core.decoding import SamplingParams, decode
+from stages.core.logprobs import logprobs_and_entropy
 from stages.core.policy import PolicyWithValueHead, response_logits
-from stages.core.ppo import logprobs_and_entropy
 
 
 @dataclass

@@ -13,6 +13,7 @@ from stages.core import checkpoint
 from stages.core.batches import RandomBatches
 from stages.core.errors import DataError, ModelError
 from stages.core.fit import FitPlan, FitResult, fit
+from stages.core.logprobs import cross_entropy
 from stages.core.modeling import context_size, fast_activations, load_causal_lm
 from stages.core.params import Params, SftParams, stage_params
 from stages.core.training import autocast
@@ -26,10 +27,15 @@ def build_model(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTraine
         if s.block_size > context_size(lm):
             raise ModelError(f"sft.block_size: {s.block_size} exceeds sft.base's {context_size(lm)} positions")
         return lm
+    return scratch_model(s, len(tokenizer), tokenizer.eos_token_id)
+
+
+def scratch_model(s: SftParams, vocab_size: int, eos_token_id: int) -> PreTrainedModel:
+    """A randomly initialised GPT-2 of the sft.* shape."""
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=s.n_positions, n_embd=s.n_embd, n_layer=s.n_layer, n_head=s.n_head,
+        vocab_size=vocab_size, n_positions=s.n_positions, n_embd=s.n_embd, n_layer=s.n_layer, n_head=s.n_head,
         resid_pdrop=s.dropout, embd_pdrop=s.dropout, attn_pdrop=s.dropout,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=eos_token_id, eos_token_id=eos_token_id,
     )
     return fast_activations(GPT2LMHeadModel(config))
 
@@ -56,6 +62,20 @@ def pack(texts: pd.Series, tokenizer: PreTrainedTokenizerBase, block_size: int, 
     return torch.tensor(stream[: n_blocks * block_size]).view(n_blocks, block_size)
 
 
+def next_token_loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    """Mean -log p(token | the tokens before it) over every token of the (B, T) blocks but the first of each.
+
+    The LM head runs on the T - 1 positions that predict a token, under ``model.precision``'s autocast (bf16
+    logits under bf16), and ``logprobs.cross_entropy`` takes them without an (N, V) fp32 copy: Hugging Face's own loss
+    upcasts all T positions' logits and keeps several such copies, 40% of a CPU training step at the offline-cpu
+    shape (BENCHMARKS.md).
+    """
+    with autocast(batch.device, precision):
+        hidden = lm.base_model(input_ids=batch).last_hidden_state[:, :-1]
+        logits = lm.get_output_embeddings()(hidden)  # (B, T - 1, V)
+    return cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
 @torch.no_grad()
 def perplexity(lm: PreTrainedModel, blocks: torch.Tensor, batch_size: int, device: torch.device) -> float:
     """exp(mean next-token loss over every predicted token of the blocks)."""
@@ -63,7 +83,7 @@ def perplexity(lm: PreTrainedModel, blocks: torch.Tensor, batch_size: int, devic
     total, count = 0.0, 0
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i: i + batch_size].to(device)
-        loss = lm(input_ids=batch, labels=batch).loss  # fp32: a metric, not worth bf16's rounding
+        loss = next_token_loss(lm, batch)  # fp32: a metric, not worth bf16's rounding
         n = batch.numel() - len(batch)  # the first token of each block is never predicted
         total, count = total + loss.item() * n, count + n
     return math.exp(total / count)
@@ -93,9 +113,7 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def loss(idx: torch.Tensor) -> torch.Tensor:
-        batch = blocks[idx].to(device)
-        with autocast(device, params.model.precision):
-            return lm(input_ids=batch, labels=batch).loss
+        return next_token_loss(lm, blocks[idx].to(device), params.model.precision)
 
     plan = FitPlan("sft", max(1, s.max_tokens // tokens_per_step(s)), s.learning_rate, s.warmup_steps,
                    s.max_grad_norm, s.gradient_accumulation_steps, betas=(0.9, 0.95),

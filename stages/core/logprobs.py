@@ -1,0 +1,139 @@
+"""Log-probabilities of tokens under a causal LM's logits, as pure tensor functions: per-token log-probs and
+entropies (PPO's rollout and update, evaluation's KL) and the mean next-token cross-entropy (SFT's loss).
+
+Logits are (B, T, V) or (N, V) with GPT-2's V of ~50k, so every function works in at least float32 on row chunks of
+bounded size and never materialises a (B, T, V) log-softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least float32: a bf16 logsumexp or softmax over 50k entries keeps too few digits."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+CHUNK_ELEMENTS = 2**24  # 64 MB per fp32 temporary: few kernel launches, bounded peak memory
+
+
+def in_chunks(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], *tensors: torch.Tensor):
+    """``fn`` on chunks of whole batch rows, concatenated: its fp32 temporaries stay near CHUNK_ELEMENTS, not
+    (B, T, V), which for GPT-2's 50k vocabulary would double or triple the memory of the logits themselves."""
+    rows = max(1, CHUNK_ELEMENTS // max(1, tensors[0][0].numel()))
+    outs = [fn(*chunk) for chunk in zip(*(x.split(rows) for x in tensors), strict=True)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+    return torch.cat(outs)
+
+
+def _softmax_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(b, T, V) logits, (b, T) labels -> log p(label) (b, T), entropy (b, T), softmax p (b, T, V).
+
+    One temporary of the logits' size (p, built in place) and no log_softmax copy: every fresh (b, T, V) tensor
+    costs page faults on the CPU, as much as the arithmetic.
+    """
+    z = upcast(logits)
+    top = z.amax(-1, keepdim=True)
+    p = torch.sub(z, top).exp_()  # shifted by the max so exp cannot overflow
+    total = p.sum(-1, keepdim=True)
+    p.div_(total)
+    lse = (top + total.log()).squeeze(-1)  # logsumexp(z)
+    logprobs = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - torch.linalg.vecdot(p, z)  # logsumexp(z) - sum_v p_v z_v
+    return logprobs, entropy, p
+
+
+class _LogprobsEntropy(torch.autograd.Function):
+    """Differentiable in the log-probs, whose gradient d log p_y / dz = onehot(y) - p reuses the forward's softmax.
+
+    The entropy is a diagnostic (no gradient). Backward overwrites the saved softmax, so it runs once.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs, entropy, p = _softmax_stats(logits, labels)
+        ctx.save_for_backward(p, labels)
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        p, labels = ctx.saved_tensors
+        g = grad_logprobs.unsqueeze(-1).to(p.dtype)
+        grad = p.mul_(-g).scatter_add_(-1, labels.unsqueeze(-1), g)  # g * (onehot(y) - p), in p's memory
+        return grad.to(ctx.logits_dtype), None
+
+
+def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, V) logits, (B, T) labels -> log p(label) and the entropy of softmax(logits), each (B, T), in at least
+    float32 (float64 for float64 logits). Differentiable in the log-probs.
+
+    Equals ``log_softmax(logits).gather(labels)`` and ``-(softmax * log_softmax).sum(-1)`` without materialising
+    the (B, T, V) log_softmax. Without gradients it runs on row chunks to bound the temporaries' memory.
+    """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _LogprobsEntropy.apply(logits, labels)
+    return in_chunks(lambda z, y: _softmax_stats(z, y)[:2], logits, labels)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) logits, (B, T) labels -> (B, T) log p(label): ``logprobs_and_entropy`` without the entropy."""
+    return logprobs_and_entropy(logits, labels)[0]
+
+
+def _row_chunks(logits: torch.Tensor) -> tuple[list[slice], torch.Tensor]:
+    """(N, V) -> slices of at most CHUNK_ELEMENTS // V rows, and one fp32 buffer of a chunk's size they all reuse."""
+    rows = min(len(logits), max(1, CHUNK_ELEMENTS // logits.shape[1]))
+    buffer = torch.empty((rows, logits.shape[1]), dtype=upcast(logits[:0]).dtype, device=logits.device)
+    return [slice(i, i + rows) for i in range(0, len(logits), rows)], buffer
+
+
+def _softmax_into(out: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(logits - lse) in ``out``'s fp32 memory: (n, V), (n,) -> (n, V)."""
+    return torch.sub(logits, lse.unsqueeze(-1), out=out).exp_()
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Mean of -log p(label) over (N, V) logits; saves only the logits and their (N,) logsumexp, and works through
+    row chunks in one reused fp32 buffer, forward and backward (which recomputes each chunk's softmax)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        chunks, buffer = _row_chunks(logits)
+        lse = torch.empty(len(logits), dtype=buffer.dtype, device=logits.device)
+        for rows in chunks:
+            z = buffer[: len(logits[rows])].copy_(logits[rows])
+            top = z.amax(-1)
+            lse[rows] = top + _softmax_into(z, z, top).sum(-1).log()
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(lse.dtype)
+        ctx.save_for_backward(logits, labels, lse)
+        return (lse - picked).mean()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        scale = grad_loss.to(lse.dtype) / len(logits)
+        chunks, buffer = _row_chunks(logits)
+        for rows in chunks:
+            p = _softmax_into(buffer[: len(logits[rows])], logits[rows], lse[rows])
+            p.scatter_add_(-1, labels[rows].unsqueeze(-1), torch.full_like(p[:, :1], -1.0))  # softmax - onehot
+            grad[rows] = p.mul_(scale)
+        return grad, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits, (N,) labels -> the mean of -log softmax(logits)[label], in at least float32.
+
+    ``F.cross_entropy`` on bf16 logits upcast to fp32 keeps two (N, V) fp32 tensors alive and writes four more, each a
+    fresh allocation (on the CPU, as costly in page faults as the arithmetic); this keeps none beyond a chunk-sized
+    buffer. The gradient is cast back to the logits' dtype, as autocast's upcast would.
+    """
+    return _CrossEntropy.apply(logits, labels)
