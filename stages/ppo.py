@@ -135,15 +135,14 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
           outputs: StagedOutputs | None) -> dict[str, float]:
     """The steps after the resumed one (if any) to ppo.steps, logging rollouts and curves (main process, under
     ``outputs``' staging) and checkpointing at each rollout-log flush. Returns the last step's stats."""
-    from dvclive import Live
+    from stages.core.curves import open_curves  # dvclive's import is slow: only where curves are written
 
     cfg, is_main = trainer.cfg, accelerator.is_main_process
     first, last = (found.step + 1, found.state["last_stats"]) if found is not None else (0, {})
     writer = RolloutWriter(outputs[ROLLOUTS_DIR]) if is_main else None
     chunk = cfg.checkpoint_every or CHUNK_STEPS
     # only the main process writes curves: another process's Live would read them while they are being written
-    live = (Live(str(outputs[PPO_CURVES]), save_dvc_exp=False, dvcyaml=False, resume=found is not None)
-            if is_main else None)
+    live = open_curves(outputs[PPO_CURVES], resume=found is not None) if is_main else None
     step = first  # the step a Ctrl-C names
     with live or contextlib.nullcontext(), interrupted_at(lambda: step):
         if live is not None and found is not None:
