@@ -33,7 +33,7 @@ from stages.core.params import ModelParams
 from stages.core.policy import backbone_hidden, disable_dropout
 from stages.core.prompts import read_prompts
 from stages.core.rollout import Samples, SamplingParams, forward, generate
-from stages.core.training import autocast, pick_device
+from stages.core.training import autocast, full_precision, pick_device
 
 TF32_DROPPED_BITS = 13  # fp32 keeps 23 explicit mantissa bits, TF32 10
 
@@ -59,7 +59,7 @@ def head_logprobs(lm: torch.nn.Module, samples: Samples, head: Callable[[torch.T
 
 def tf32_head(truncate: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, enabled=False):
+        with full_precision(hidden.device):
             return round_to_tf32(hidden, truncate) @ round_to_tf32(weight, truncate).T
     return head
 

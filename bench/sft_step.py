@@ -26,7 +26,7 @@ import torch
 from bench.configs import set_threads
 from stages.core.params import SftParams, read_yaml
 from stages.core.sft import next_token_loss, scratch_model
-from stages.core.training import mixed_precision, pick_device
+from stages.core.training import autocast, mixed_precision, pick_device
 from stages.recipe import load_preset, overlay
 
 GPT2_VOCAB, EOS = 50257, 50256
@@ -43,12 +43,11 @@ def runner(name: str, s: SftParams, precision: str, device: torch.device) -> Cal
     torch.manual_seed(0)
     lm = scratch_model(s, GPT2_VOCAB, EOS).to(device).train()
     optimizer = torch.optim.AdamW(lm.parameters(), lr=s.learning_rate, betas=(0.9, 0.95))
-    bf16 = mixed_precision(device, precision) is not None
 
     def loss(batch: torch.Tensor) -> torch.Tensor:
         if name == "ours":
             return next_token_loss(lm, batch, precision)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with autocast(device, precision):
             return lm(input_ids=batch, labels=batch).loss
 
     def step(batch: torch.Tensor) -> float:
