@@ -142,7 +142,7 @@ def use_bf16(precision: str) -> bool:
     the comparison is like for like; ``fp32``: every runner in fp32."""
     import torch
 
-    # the rule of stages.core.training.mixed_precision("auto"), restated: a peer's venv cannot import our package
+    # the rule of rlhf.train.precision.mixed_precision("auto"), restated: a peer's venv cannot import our package
     native = torch.cuda.is_available() or torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
     return precision == "auto" and native
 

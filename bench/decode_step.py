@@ -27,11 +27,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from bench.configs import CONFIGS, BenchConfig, gpt2_config_kwargs, set_threads, use_bf16
-from stages.core.decoding import SamplingParams, decode, decode_dynamic
-from stages.core.modeling import fast_activations
-from stages.core.policy import disable_dropout
-from stages.core.rollout import left_pad
-from stages.core.training import autocast, pick_device
+from rlhf.models.decoding import SamplingParams, decode, decode_dynamic
+from rlhf.models.loading import fast_activations
+from rlhf.models.policy import disable_dropout
+from rlhf.rl.rollout import left_pad
+from rlhf.train.precision import autocast, pick_device
 
 EOS = 50256  # GPT-2's; the pad token too, as in the pipeline
 DECODERS = ("static", "dynamic")

@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from bench.configs import set_threads
-from stages.core.logprobs import logprobs_and_entropy
-from stages.core.modeling import load_causal_lm, load_tokenizer
-from stages.core.params import ModelParams
-from stages.core.policy import backbone_hidden, disable_dropout
-from stages.core.prompts import read_prompts
-from stages.core.rollout import Samples, SamplingParams, forward, generate
-from stages.core.training import autocast, full_precision, pick_device
+from rlhf.data.prompts import read_prompts
+from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.models.logprobs import logprobs_and_entropy
+from rlhf.models.policy import backbone_hidden, disable_dropout
+from rlhf.pipeline.params import defaults
+from rlhf.rl.rollout import Samples, SamplingParams, forward, generate
+from rlhf.train.precision import autocast, full_precision, pick_device
 
 TF32_DROPPED_BITS = 13  # fp32 keeps 23 explicit mantissa bits, TF32 10
 
@@ -96,7 +96,7 @@ def differences(logprobs: torch.Tensor, exact: torch.Tensor, mask: torch.Tensor)
 
 def measure(model: str, prompt_file: Path, n_prompts: int, tokens: int, batch_size: int,
             device: torch.device) -> dict[str, dict[str, float]]:
-    model_params = ModelParams()
+    model_params = defaults().model
     tokenizer = load_tokenizer(model, model_params, what="--model")
     lm = load_causal_lm(model, model_params, what="--model", dtype=torch.float32).to(device).eval()
     disable_dropout(lm)

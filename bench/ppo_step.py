@@ -36,11 +36,13 @@ from bench.configs import (
     timed,
     use_bf16,
 )
-from stages.core.modeling import fast_activations, load_tokenizer
-from stages.core.params import ModelParams, PpoParams, Rule
-from stages.core.policy import PolicyWithValueHead, disable_dropout
-from stages.core.trainer import PPOTrainer
-from stages.core.training import pick_device
+from rlhf.models.loading import fast_activations, load_tokenizer
+from rlhf.models.policy import PolicyWithValueHead, disable_dropout
+from rlhf.pipeline.params import defaults
+from rlhf.pipeline.schema import PpoParams
+from rlhf.pipeline.sections import Rule
+from rlhf.rl.trainer import PPOTrainer
+from rlhf.train.precision import pick_device
 
 
 class StandInScorer:
@@ -57,10 +59,11 @@ class StandInScorer:
 def ppo_params(cfg: BenchConfig, args: argparse.Namespace) -> PpoParams:
     """The config's PPO settings with the command line's estimator; a broken rule ends the run with one line."""
     try:
-        return PpoParams(batch_size=cfg.batch_size, mini_batch_size=cfg.mini_batch_size, ppo_epochs=cfg.ppo_epochs,
-                         learning_rate=cfg.learning_rate, response_min_tokens=cfg.new_tokens,
-                         response_max_tokens=cfg.new_tokens, advantage_estimator=args.estimator,
-                         samples_per_prompt=args.samples_per_prompt, value_model=args.value_model)
+        return PpoParams.model_validate(defaults().ppo.model_dump() | dict(
+            batch_size=cfg.batch_size, mini_batch_size=cfg.mini_batch_size, ppo_epochs=cfg.ppo_epochs,
+            learning_rate=cfg.learning_rate, response_min_tokens=cfg.new_tokens, response_max_tokens=cfg.new_tokens,
+            advantage_estimator=args.estimator, samples_per_prompt=args.samples_per_prompt,
+            value_model=args.value_model))
     except ValidationError as e:
         error = e.errors()[0]
         rule = (error.get("ctx") or {}).get("error")
@@ -94,7 +97,7 @@ def main() -> None:
     cfg = CONFIGS[args.config]
     device = pick_device()
     ppo = ppo_params(cfg, args)
-    tokenizer = load_tokenizer(args.tokenizer, ModelParams(), what="--tokenizer")
+    tokenizer = load_tokenizer(args.tokenizer, defaults().model, what="--tokenizer")
     batches = [batch[: ppo.prompts_per_step] for batch in load_prompts(args.data, tokenizer, cfg, args.iters)]
     bf16 = use_bf16(args.precision)
     trainer = build_trainer(cfg, ppo, tokenizer, device, bf16)

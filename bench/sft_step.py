@@ -24,10 +24,11 @@ from collections.abc import Callable
 import torch
 
 from bench.configs import set_threads
-from stages.core.params import SftParams, read_yaml
-from stages.core.sft import next_token_loss, scratch_model
-from stages.core.training import autocast, mixed_precision, pick_device
-from stages.recipe import load_preset, overlay
+from rlhf.pipeline.schema import SftParams
+from rlhf.pipeline.yaml_files import read_yaml
+from rlhf.train.precision import autocast, mixed_precision, pick_device
+from rlhf.train.sft import next_token_loss, scratch_model
+from tools.recipe import load_preset, overlay
 
 GPT2_VOCAB, EOS = 50257, 50256
 

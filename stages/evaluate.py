@@ -2,12 +2,11 @@
 
 Reads   data/prompts/eval.parquet, models/policy, the reference (models/sft when sft.enabled, else model.policy),
         the reward (models/reward when reward.train, else reward.model), the judges of evaluate.judges
-Params  STAGE_PARAMS["evaluate"] in stages/core/params.py (listed by --help)
-Writes  metrics/eval.json                     flat keys (see stages/core/evaluation.py) for dvc metrics diff
+Writes  metrics/eval.json                     flat keys (see rlhf/eval/evaluation.py) for dvc metrics diff
         data/eval/samples.parquet             query, response_before/after, every score before/after, kl, kl_full
         metrics/evaluate/report.md            before/after summary and examples
         metrics/evaluate/score_histogram.csv  reward score histogram before vs after (the score_histogram plot)
-The outputs are replaced together when the stage completes, or not at all (stages/core/io.py's StagedOutputs).
+The outputs are replaced together when the stage completes, or not at all (rlhf/pipeline/io.py's StagedOutputs).
 """
 
 from __future__ import annotations
@@ -16,26 +15,43 @@ import logging
 
 import pyarrow as pa
 
-from stages.core.errors import ModelError, run_stage
-from stages.core.evaluation import REWARD, evaluate_policy, markdown_report
-from stages.core.io import StagedOutputs, seed_everything, write_json, write_parquet, write_text
-from stages.core.modeling import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
-from stages.core.params import Params, load_params
-from stages.core.paths import (
+from rlhf.data.prompts import check_prompts, read_prompts
+from rlhf.eval.evaluation import REWARD, evaluate_policy, markdown_report
+from rlhf.eval.plots import histogram
+from rlhf.models.loading import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
+from rlhf.models.scorers import make_reward_scorer, make_scorer, reward_model_path
+from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.errors import ModelError
+from rlhf.pipeline.io import StagedOutputs, seed_everything, write_json, write_parquet, write_text
+from rlhf.pipeline.params import load_params
+from rlhf.pipeline.paths import (
+    EVAL_DIR,
     EVAL_HISTOGRAM,
     EVAL_METRICS,
     EVAL_PROMPTS,
     EVAL_REPORT,
+    EVAL_REPORT_DIR,
     EVAL_SAMPLES,
     POLICY_DIR,
-    STAGE_OUTPUTS,
+    PROMPTS_DIR,
+    REWARD_DIR,
+    SFT_DIR,
 )
-from stages.core.plots import histogram
-from stages.core.prompts import check_prompts, read_prompts
-from stages.core.scorers import make_reward_scorer, make_scorer, reward_model_path
-from stages.core.training import pick_device
+from rlhf.pipeline.registry import Output, Stage
+from rlhf.pipeline.schema import Params
+from rlhf.train.precision import pick_device
 
 log = logging.getLogger("evaluate")
+
+STAGE = Stage(
+    params=("seed", "model.policy", "model.tokenizer", "model.revision", "model.trust_remote_code",
+            "model.allow_pickle", "sft.enabled", "reward.train", "reward.model", "reward.positive_label",
+            "ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature",
+            "evaluate"),
+    inputs=(PROMPTS_DIR, POLICY_DIR, SFT_DIR, REWARD_DIR),
+    outputs=(Output(EVAL_DIR), Output(EVAL_REPORT_DIR, cache=False), Output(EVAL_METRICS, "metrics", cache=False)),
+    out_of_memory="lower evaluate.batch_size",
+)
 
 
 def describe(params: Params, n: int) -> str:
@@ -52,7 +68,7 @@ def describe(params: Params, n: int) -> str:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    with StagedOutputs(STAGE_OUTPUTS["evaluate"]) as outputs:
+    with StagedOutputs(STAGE.output_paths) as outputs:
         evaluate(params, outputs)
 
 

@@ -2,17 +2,16 @@
 
 Reads   data/prompts/train.parquet, the initial policy and reference (models/sft when sft.enabled, else
         model.policy), the reward (models/reward when reward.train, else reward.model)
-Params  STAGE_PARAMS["ppo"] in stages/core/params.py (listed by --help)
 Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM), value_head.safetensors beside it
                                 (gae only: the other estimators train no value head)
         data/rollouts/*.parquet one row per sample per step
         metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput)
         metrics/ppo.json        summary
 The outputs are written under staging siblings (the rollout chunks and curves as the run goes) and replaced together
-when the stage completes, or not at all (stages/core/io.py's StagedOutputs).
+when the stage completes, or not at all (rlhf/pipeline/io.py's StagedOutputs).
 
 With ppo.checkpoint_every > 0 the run saves a checkpoint at every rollout-log flush, with copies of the staged rollout
-chunks and curves, and, rerun after a kill, resumes from the newest one (see stages/core/checkpoint.py).
+chunks and curves, and, rerun after a kill, resumes from the newest one (see rlhf/train/checkpoint.py).
 
 ppo.advantage_estimator picks the advantages: gae (PPO with a value head) or the critic-free rloo, grpo and
 reinforce_pp; each step draws ppo.batch_size / ppo.samples_per_prompt prompts and answers each samples_per_prompt
@@ -33,20 +32,32 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from stages.core import checkpoint
-from stages.core.batches import Batches, ShuffledBatches
-from stages.core.errors import DataError, ModelError, interrupted_at, run_stage
-from stages.core.io import StagedOutputs, seed_everything, write_json
-from stages.core.modeling import check_vocab_match, context_size, initial_policy, load_causal_lm, load_tokenizer
-from stages.core.params import Params, load_params
-from stages.core.paths import POLICY_DIR, PPO_CURVES, PPO_METRICS, ROLLOUTS_DIR, STAGE_OUTPUTS, TRAIN_PROMPTS
-from stages.core.policy import PolicyWithValueHead, disable_dropout, save_policy
-from stages.core.ppo_checkpoint import Checkpointing, find_checkpoint
-from stages.core.prompts import Prompts, check_prompts, read_prompts
-from stages.core.rollout_log import RolloutWriter, experience_rows
-from stages.core.scorers import make_reward_scorer
-from stages.core.trainer import PPOTrainer
-from stages.core.training import pick_device
+from rlhf.data.prompts import Prompts, check_prompts, read_prompts
+from rlhf.models.loading import check_vocab_match, context_size, initial_policy, load_causal_lm, load_tokenizer
+from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
+from rlhf.models.scorers import make_reward_scorer
+from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.errors import DataError, ModelError, interrupted_at
+from rlhf.pipeline.io import StagedOutputs, seed_everything, write_json
+from rlhf.pipeline.params import load_params
+from rlhf.pipeline.paths import (
+    POLICY_DIR,
+    PPO_CURVES,
+    PPO_METRICS,
+    PROMPTS_DIR,
+    REWARD_DIR,
+    ROLLOUTS_DIR,
+    SFT_DIR,
+    TRAIN_PROMPTS,
+)
+from rlhf.pipeline.registry import Output, Stage
+from rlhf.pipeline.schema import Params
+from rlhf.rl.ppo_checkpoint import Checkpointing, find_checkpoint
+from rlhf.rl.rollout_log import RolloutWriter, experience_rows
+from rlhf.rl.trainer import PPOTrainer
+from rlhf.train import checkpoint
+from rlhf.train.batches import Batches, ShuffledBatches
+from rlhf.train.precision import pick_device
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -54,6 +65,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("ppo")
 
 CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
+
+STAGE = Stage(
+    # prompt_max_tokens: ppo checks that the longest prompt plus response fits the policy's positions
+    params=("seed", "model", "sft.enabled", "prepare.prompt_max_tokens", "reward.train", "reward.model",
+            "reward.positive_label", "ppo"),
+    inputs=(PROMPTS_DIR, SFT_DIR, REWARD_DIR),
+    outputs=(Output(POLICY_DIR), Output(ROLLOUTS_DIR), Output(PPO_CURVES, cache=False),
+             Output(PPO_METRICS, "metrics", cache=False)),
+    out_of_memory="lower ppo.batch_size (generation holds the whole batch) or ppo.mini_batch_size (raising "
+                  "ppo.gradient_accumulation_steps keeps the same batch)",
+)
 
 
 def main() -> None:
@@ -70,7 +92,7 @@ def main() -> None:
         log.info("ppo: advantage_estimator %s ignores %s", cfg.advantage_estimator, ", ".join(cfg.unused_keys))
     accelerator = Accelerator(cpu=pick_device().type == "cpu")
     # only the main process writes outputs
-    with StagedOutputs(STAGE_OUTPUTS["ppo"]) if accelerator.is_main_process else contextlib.nullcontext() as outputs:
+    with StagedOutputs(STAGE.output_paths) if accelerator.is_main_process else contextlib.nullcontext() as outputs:
         run(params, prompts, accelerator, outputs)
 
 
@@ -135,7 +157,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
           outputs: StagedOutputs | None) -> dict[str, float]:
     """The steps after the resumed one (if any) to ppo.steps, logging rollouts and curves (main process, under
     ``outputs``' staging) and checkpointing at each rollout-log flush. Returns the last step's stats."""
-    from stages.core.curves import open_curves  # dvclive's import is slow: only where curves are written
+    from rlhf.rl.curves import open_curves  # dvclive's import is slow: only where curves are written
 
     cfg, is_main = trainer.cfg, accelerator.is_main_process
     first, last = (found.step + 1, found.state["last_stats"]) if found is not None else (0, {})

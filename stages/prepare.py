@@ -1,12 +1,11 @@
 """prepare: IMDb -> tokenized prompts and chosen/rejected preference pairs.
 
 Reads   data.source (train and test splits), the pipeline tokenizer (never the policy model)
-Params  STAGE_PARAMS["prepare"] in stages/core/params.py (listed by --help)
 Writes  data/prompts/{train,eval}.parquet   query, input_ids, review_id, label
         data/pairs/{train,test}.parquet     chosen, rejected, chosen_id, rejected_id, chosen_rating, rejected_rating
         metrics/prepare.json                row counts, prompt lengths, seconds
 Everything is read and checked before the first output is written; the outputs are replaced together when the
-stage completes (stages/core/io.py's StagedOutputs), or not at all.
+stage completes (rlhf/pipeline/io.py's StagedOutputs), or not at all.
 """
 
 from __future__ import annotations
@@ -18,21 +17,30 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from stages.core.data import filter_reviews, load_imdb, warn_if_untracked
-from stages.core.errors import run_stage
-from stages.core.io import StagedOutputs, atomic_path, write_json
-from stages.core.modeling import load_tokenizer
-from stages.core.params import Params, load_params
-from stages.core.paths import PAIRS_DIR, PREPARE_METRICS, PROMPTS_DIR, STAGE_OUTPUTS
-from stages.core.tokenization import build_pairs, build_prompts, generator, read_pairs_file, tokenize
+from rlhf.data.imdb import filter_reviews, load_imdb, warn_if_untracked
+from rlhf.data.prepare import build_pairs, build_prompts, generator, read_pairs_file, tokenize
+from rlhf.models.loading import load_tokenizer
+from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.io import StagedOutputs, atomic_path, write_json
+from rlhf.pipeline.params import load_params
+from rlhf.pipeline.paths import PAIRS_DIR, PREPARE_METRICS, PROMPTS_DIR, RAW
+from rlhf.pipeline.registry import Output, Stage
+from rlhf.pipeline.schema import Params
 
 log = logging.getLogger("prepare")
+
+STAGE = Stage(
+    params=("seed", "data.source", "data.revision", "model.policy", "model.tokenizer", "model.revision",
+            "model.trust_remote_code", "sft.enabled", "sft.base", "prepare"),
+    inputs=(RAW,),
+    outputs=(Output(PROMPTS_DIR), Output(PAIRS_DIR), Output(PREPARE_METRICS, "metrics", cache=False)),
+)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    with StagedOutputs(STAGE_OUTPUTS["prepare"]) as outputs:
+    with StagedOutputs(STAGE.output_paths) as outputs:
         prepare(params, outputs)
 
 

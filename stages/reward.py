@@ -1,32 +1,48 @@
 """reward: a preference reward model trained on chosen/rejected pairs (Bradley-Terry).
 
 Reads   data/pairs/{train,test}.parquet, the initial model (models/sft, a Hub id / local dir, or scratch)
-Params  STAGE_PARAMS["reward"] in stages/core/params.py (listed by --help)
 Writes  models/reward/                  one-output sequence classifier + tokenizer; only a DISABLED marker when
                                         reward.train is false (ppo then scores with reward.model)
         metrics/reward.json             held-out pair accuracy, mean margin, score means
         metrics/reward/scores.csv       score histogram of positive (chosen) vs negative (rejected) test snippets
-The outputs are replaced together when the stage completes, or not at all (stages/core/io.py's StagedOutputs).
+The outputs are replaced together when the stage completes, or not at all (rlhf/pipeline/io.py's StagedOutputs).
 """
 
 from __future__ import annotations
 
 import logging
 
-from stages.core.checkpoint import weights_bytes
-from stages.core.errors import DataError, run_stage
-from stages.core.io import StagedOutputs, atomic_path, seed_everything, write_json, write_text
-from stages.core.params import Params, load_params
-from stages.core.paths import REWARD_DIR, REWARD_METRICS, REWARD_SCORES, STAGE_OUTPUTS, TEST_PAIRS, TRAIN_PAIRS
-from stages.core.plots import histogram
-from stages.core.reward_model import build, evaluate, read_pairs, train
-from stages.core.training import pick_device, run_switchable
+from rlhf.eval.plots import histogram
+from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.errors import DataError
+from rlhf.pipeline.io import StagedOutputs, atomic_path, seed_everything, write_json, write_text
+from rlhf.pipeline.params import load_params
+from rlhf.pipeline.paths import PAIRS_DIR, REWARD_DIR, REWARD_METRICS, REWARD_SCORES, SFT_DIR, TEST_PAIRS, TRAIN_PAIRS
+from rlhf.pipeline.registry import Output, Stage
+from rlhf.pipeline.schema import Params
+from rlhf.train.checkpoint import weights_bytes
+from rlhf.train.precision import pick_device, run_switchable
+from rlhf.train.reward_model import build, evaluate, read_pairs, train
+
+STAGE = Stage(
+    # sft.base: the tokenizer of a from-scratch reward model (params.tokenizer_path)
+    params=("seed", "model", "sft.enabled", "sft.base", "sft.n_layer", "sft.n_embd", "sft.n_head", "sft.n_positions",
+            "reward.train", "reward.base", "reward.epochs", "reward.learning_rate", "reward.batch_size",
+            "reward.max_length", "reward.margin", "reward.center_coef", "reward.warmup_steps", "reward.max_grad_norm",
+            "reward.checkpoint_every"),
+    inputs=(PAIRS_DIR, SFT_DIR),
+    outputs=(Output(REWARD_DIR),
+             Output(REWARD_SCORES, cache=False, comment="drawn by the top-level reward_model_scores plot (score vs "
+                    "both columns); as a stage plot DVC would draw it a second time, against the row index"),
+             Output(REWARD_METRICS, "metrics", cache=False)),
+    out_of_memory="lower reward.batch_size or reward.max_length",
+)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    run_switchable(STAGE_OUTPUTS["reward"], params.reward.train, lambda outputs: train_reward(params, outputs),
+    run_switchable(STAGE.output_paths, params.reward.train, lambda outputs: train_reward(params, outputs),
                    REWARD_DIR, "reward.train is false: ppo and evaluate score with reward.model",
                    {REWARD_METRICS: '{"trained": false}\n', REWARD_SCORES: "score,positive,negative\n"})
 

@@ -1,12 +1,11 @@
 """sft: a causal LM trained (from scratch or from sft.base) on IMDb text, the offline recipe's policy.
 
 Reads   data.source (sft.splits for training, the test split for perplexity), the tokenizer
-Params  STAGE_PARAMS["sft"] in stages/core/params.py (listed by --help)
 Writes  models/sft/           HF model (safetensors) + tokenizer + generation config; only a DISABLED marker when
                               sft.enabled is false
         metrics/sft.json      held-out perplexity, final loss, tokens, tokens/s
         metrics/sft/loss.csv  the training loss curve (DVC plot)
-The outputs are replaced together when the stage completes, or not at all (stages/core/io.py's StagedOutputs).
+The outputs are replaced together when the stage completes, or not at all (rlhf/pipeline/io.py's StagedOutputs).
 """
 
 from __future__ import annotations
@@ -16,23 +15,33 @@ import logging
 import numpy as np
 import pandas as pd
 
-from stages.core.checkpoint import weights_bytes
-from stages.core.data import filter_reviews, load_imdb
-from stages.core.errors import run_stage
-from stages.core.io import StagedOutputs, atomic_path, seed_everything, write_json, write_text
-from stages.core.modeling import check_vocab_match, load_tokenizer
-from stages.core.params import Params, load_params
-from stages.core.paths import SFT_DIR, SFT_LOSS, SFT_METRICS, STAGE_OUTPUTS
-from stages.core.sft import build_model, pack, perplexity, tokens_per_step, train
-from stages.core.training import pick_device, run_switchable
+from rlhf.data.imdb import filter_reviews, load_imdb
+from rlhf.models.loading import check_vocab_match, load_tokenizer
+from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.io import StagedOutputs, atomic_path, seed_everything, write_json, write_text
+from rlhf.pipeline.params import load_params
+from rlhf.pipeline.paths import RAW, SFT_DIR, SFT_LOSS, SFT_METRICS
+from rlhf.pipeline.registry import Output, Stage
+from rlhf.pipeline.schema import Params
+from rlhf.train.checkpoint import weights_bytes
+from rlhf.train.precision import pick_device, run_switchable
+from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
 
 EVAL_BATCH = 16
+
+STAGE = Stage(
+    params=("seed", "data", "model", "sft"),
+    inputs=(RAW,),
+    outputs=(Output(SFT_DIR), Output(SFT_METRICS, "metrics", cache=False),
+             Output(SFT_LOSS, "plots", cache=False, plot={"x": "step", "y": "loss"})),
+    out_of_memory="lower sft.batch_size (and raise sft.gradient_accumulation_steps to keep the same batch)",
+)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    run_switchable(STAGE_OUTPUTS["sft"], params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
+    run_switchable(STAGE.output_paths, params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
                    "sft.enabled is false: ppo and evaluate use model.policy",
                    {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
 

@@ -139,8 +139,8 @@ def shared_dir() -> Path:
     return SHARED
 
 
-PROJECT_FILES = ["dvc.yaml", "params.yaml", "pyproject.toml", "stages", "bench", ".dvc/config", ".dvc/plots",
-                 "data/raw/.gitkeep", "metrics/frontier/chart/.keep.yaml"]
+PROJECT_FILES = ["dvc.yaml", "params.yaml", "pyproject.toml", "stages", "rlhf", "tools", "bench", ".dvc/config",
+                 ".dvc/plots", "data/raw/.gitkeep", "metrics/frontier/chart/.keep.yaml"]
 
 
 @pytest.fixture

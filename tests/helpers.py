@@ -14,11 +14,11 @@ import pandas as pd
 import torch
 from conftest import set_params
 
-from stages.core.modeling import load_causal_lm, load_tokenizer
-from stages.core.params import ModelParams, PpoParams
-from stages.core.paths import STAGE_OUTPUTS
-from stages.core.policy import PolicyWithValueHead, disable_dropout
-from stages.core.trainer import PPOTrainer
+from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.models.policy import PolicyWithValueHead, disable_dropout
+from rlhf.pipeline.params import defaults
+from rlhf.pipeline.registry import stage as stage_record
+from rlhf.rl.trainer import PPOTrainer
 
 
 def run(project: Path, *command: str) -> subprocess.CompletedProcess:
@@ -52,9 +52,9 @@ def training_project(project: Path, stage: str, imdb_dir: Path, tokenizer_dir: P
 
 
 def snapshot(project: Path, stage: str) -> dict[str, bytes]:
-    """The bytes of every file of ``stage``'s outputs (paths.STAGE_OUTPUTS) in ``project``."""
+    """The bytes of every file of ``stage``'s outputs (its stage record) in ``project``."""
     files = {}
-    for output in STAGE_OUTPUTS[stage]:
+    for output in stage_record(stage).output_paths:
         path = project / output
         for file in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
             files[file.relative_to(project).as_posix()] = file.read_bytes()
@@ -64,7 +64,7 @@ def snapshot(project: Path, stage: str) -> dict[str, bytes]:
 def leftovers(project: Path, stage: str) -> list[str]:
     """Staging folders, moved-aside outputs and temporaries next to ``stage``'s outputs (a finished run, failed or
     not, leaves none)."""
-    return sorted(item.relative_to(project).as_posix() for output in STAGE_OUTPUTS[stage]
+    return sorted(item.relative_to(project).as_posix() for output in stage_record(stage).output_paths
                   if (project / output.parent).is_dir()
                   for item in (project / output.parent).iterdir() if item.name.startswith(f".{output.name}."))
 
@@ -106,10 +106,10 @@ def make_trainer(tiny_gpt2_dir: Path, scorer_cls: type = TokenShareScorer, preci
     torch.manual_seed(0)
     settings = dict(batch_size=16, mini_batch_size=8, ppo_epochs=4, learning_rate=3e-3, adap_kl_ctrl=False,
                     init_kl_coef=0.01, response_min_tokens=4, response_max_tokens=8)
-    cfg = PpoParams().model_copy(update=settings | overrides)
-    tokenizer = load_tokenizer(str(tiny_gpt2_dir), ModelParams())
-    lm = load_causal_lm(str(tiny_gpt2_dir), ModelParams())
-    ref = load_causal_lm(str(tiny_gpt2_dir), ModelParams())
+    cfg = defaults().ppo.model_copy(update=settings | overrides)
+    tokenizer = load_tokenizer(str(tiny_gpt2_dir), defaults().model)
+    lm = load_causal_lm(str(tiny_gpt2_dir), defaults().model)
+    ref = load_causal_lm(str(tiny_gpt2_dir), defaults().model)
     disable_dropout(lm)
     disable_dropout(ref)
     scorer = scorer_cls(tokenizer, cutoff=len(tokenizer) // 4)

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from stages.core.batches import Batches, RandomBatches, ShuffledBatches
-from stages.core.prompts import Prompts
+from rlhf.data.prompts import Prompts
+from rlhf.train.batches import Batches, RandomBatches, ShuffledBatches
 
 
 def draw(order: Batches, n: int) -> list[list[int]]:

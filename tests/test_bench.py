@@ -28,8 +28,8 @@ from bench.configs import (
     sample_prompts,
     stand_in_score,
 )
-from stages.core.modeling import load_tokenizer
-from stages.core.params import ModelParams
+from rlhf.models.loading import load_tokenizer
+from rlhf.pipeline.params import defaults
 
 INTERFACE_KEYS = {"config", "iters", "s_per_iter", "generate_s", "update_s", "samples_per_s", "tokens_per_s",
                   "peak_mem_mb"}
@@ -93,7 +93,7 @@ def test_ppo_step_runs_the_trainer_and_prints_the_result_line(tokenizer_dir: Pat
     assert result["samples_per_s"] == pytest.approx(cfg.batch_size / result["s_per_iter"], rel=0.01)
     assert result["tokens_per_s"] == pytest.approx(result["samples_per_s"] * cfg.new_tokens, rel=0.01)
     batches = [batch[: cfg.batch_size // k]  # the prompts of a step, each answered k times
-               for batch in load_prompts(imdb_dir, load_tokenizer(str(tokenizer_dir), ModelParams()), cfg, iters=1)]
+               for batch in load_prompts(imdb_dir, load_tokenizer(str(tokenizer_dir), defaults().model), cfg, iters=1)]
     flops = cfg.ppo_epochs * pass_flops(cfg, mean_padded_length(cfg, batches[1:]), cfg.new_tokens, backward=True)
     assert result["update_gflop"] == pytest.approx(flops / 1e9, abs=0.05)
     assert result["peak_mem_mb"] > 0
@@ -179,7 +179,7 @@ def test_round_to_tf32_keeps_11_significant_bits(truncate: bool) -> None:
 
 def test_logprob_error_puts_fp32_at_float64_and_a_bf16_head_furthest(tiny_gpt2_dir: Path, tmp_path: Path, capsys,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    tokenizer = load_tokenizer(str(tiny_gpt2_dir), ModelParams())
+    tokenizer = load_tokenizer(str(tiny_gpt2_dir), defaults().model)
     queries = ["a great film", "the worst plot", "I loved it", "boring and long"]
     pd.DataFrame({"query": queries, "input_ids": [tokenizer(q)["input_ids"] for q in queries]}).to_parquet(
         tmp_path / "eval.parquet")

@@ -5,24 +5,46 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from stages.core import checkpoint
-from stages.core.errors import PipelineError
+from rlhf.pipeline import registry
+from rlhf.pipeline.errors import PipelineError
+from rlhf.pipeline.params import defaults
+from rlhf.train import checkpoint
 
 
-def test_fingerprint_follows_config_and_file_content(tmp_path: Path) -> None:
+def test_fingerprint_follows_params_file_content_and_the_stages_code(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "prompts.parquet"
     data.write_bytes(b"one")
-    base = checkpoint.fingerprint({"ppo": {"learning_rate": 1e-5}}, [data])
-    assert checkpoint.fingerprint({"ppo": {"learning_rate": 1e-5}}, [data]) == base
-    assert checkpoint.fingerprint({"ppo": {"learning_rate": 2e-5}}, [data]) != base
+    params = defaults()
+    faster = params.model_copy(update={"ppo": params.ppo.model_copy(update={"learning_rate": 2e-5})})
+    base = checkpoint.fingerprint("ppo", params, [data])
+    assert checkpoint.fingerprint("ppo", params, [data]) == base
+    assert checkpoint.fingerprint("ppo", faster, [data]) != base
+    assert checkpoint.fingerprint("ppo", faster, [data], exclude=("ppo.learning_rate",)) == checkpoint.fingerprint(
+        "ppo", params, [data], exclude=("ppo.learning_rate",))
+    assert checkpoint.fingerprint("sft", faster, [data]) == checkpoint.fingerprint("sft", params, [data])  # not read
     data.write_bytes(b"two")
-    assert checkpoint.fingerprint({"ppo": {"learning_rate": 1e-5}}, [data]) != base
+    assert checkpoint.fingerprint("ppo", params, [data]) != base
+    data.write_bytes(b"one")
+    # a copy of the project whose PPO math differs: the ppo run's fingerprint changes, sft's does not
+    copy = tmp_path / "project"
+    for package in ("stages", "rlhf"):
+        shutil.copytree(registry.ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(registry, "ROOT", copy)
+    monkeypatch.setattr(checkpoint, "ROOT", copy)
+    sft = checkpoint.fingerprint("sft", params, [data])
+    assert checkpoint.fingerprint("ppo", params, [data]) == base
+    with open(copy / "rlhf/rl/ppo.py", "a") as f:
+        f.write("\n# changed\n")
+    assert checkpoint.fingerprint("ppo", params, [data]) != base
+    assert checkpoint.fingerprint("sft", params, [data]) == sft
 
 
 def test_fingerprint_of_a_folder_ignores_bytecode(tmp_path: Path) -> None:

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from conftest import make_split
 
-from stages.core import data
-from stages.core.data import COLUMNS, filter_reviews, load_imdb, warn_if_untracked
-from stages.core.errors import DataError
+from rlhf.data import imdb as data
+from rlhf.data.imdb import COLUMNS, filter_reviews, load_imdb, warn_if_untracked
+from rlhf.pipeline.errors import DataError
 
 LABEL_DIRS = {1: "pos", 0: "neg", -1: "unsup"}
 

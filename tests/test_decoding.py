@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from stages.core.decoding import (
+from rlhf.models.decoding import (
     GraphedDecoder,
     SamplingParams,
     StaticDecoder,
@@ -21,10 +21,10 @@ from stages.core.decoding import (
     graphed_decoder,
     static_decoding_supports,
 )
-from stages.core.modeling import load_causal_lm
-from stages.core.params import ModelParams
-from stages.core.policy import position_ids_from
-from stages.core.rollout import left_pad
+from rlhf.models.loading import load_causal_lm
+from rlhf.models.policy import position_ids_from
+from rlhf.pipeline.params import defaults
+from rlhf.rl.rollout import left_pad
 
 SAMPLINGS = [SamplingParams(), SamplingParams(top_k=1), SamplingParams(top_k=20, top_p=0.9, temperature=0.7)]
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -33,7 +33,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def lm(tiny_gpt2_dir: Path) -> PreTrainedModel:
-    return load_causal_lm(str(tiny_gpt2_dir), ModelParams()).eval()
+    return load_causal_lm(str(tiny_gpt2_dir), defaults().model).eval()
 
 
 def prompts(lm: PreTrainedModel, n: int = 6, seed: int = 0, max_len: int = 9) -> tuple[torch.Tensor, torch.Tensor]:

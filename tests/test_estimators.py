@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from stages.core import ppo
+from rlhf.rl import advantages as adv
+from rlhf.rl import ppo
+from rlhf.rl.estimators import ESTIMATORS
 
 N_PROMPTS, T = 3, 6
 GARBAGE = 1e6  # what padded positions hold: it must never reach a real token
@@ -73,7 +75,7 @@ def rloo_reference(R: list[float], k: int) -> list[float]:
 def test_rloo_matches_the_paper(batch) -> None:
     k, mask, g = batch
     R = torch.randn(len(mask), generator=g, dtype=torch.float64) * 3
-    got = ppo.rloo_advantages(R, mask, k)
+    got = adv.rloo_advantages(R, mask, k)
     assert got.dtype == torch.float64 and got.shape == mask.shape
     assert_per_sample_on_real_tokens(got, mask, rloo_reference(R.tolist(), k))
 
@@ -81,13 +83,13 @@ def test_rloo_matches_the_paper(batch) -> None:
 def test_rloo_advantages_of_a_group_sum_to_zero_and_ignore_a_shift_of_the_group(batch) -> None:
     k, mask, g = batch
     R = torch.randn(len(mask), generator=g, dtype=torch.float64)
-    per_sample = ppo.group_view(ppo.rloo_advantages(R, mask, k).sum(1) / mask.sum(1), k)
+    per_sample = adv.group_view(adv.rloo_advantages(R, mask, k).sum(1) / mask.sum(1), k)
     torch.testing.assert_close(per_sample.sum(1), torch.zeros(N_PROMPTS, dtype=torch.float64))
     # the equivalent form k/(k-1) (R_i - mean of the group)
-    groups = ppo.group_view(R, k)
+    groups = adv.group_view(R, k)
     torch.testing.assert_close(per_sample, k / (k - 1) * (groups - groups.mean(1, keepdim=True)))
     shifted = R + torch.arange(N_PROMPTS, dtype=torch.float64).repeat_interleave(k) * 100
-    torch.testing.assert_close(ppo.rloo_advantages(shifted, mask, k), ppo.rloo_advantages(R, mask, k))
+    torch.testing.assert_close(adv.rloo_advantages(shifted, mask, k), adv.rloo_advantages(R, mask, k))
 
 
 # --- GRPO ------------------------------------------------------------------------------------------------------------
@@ -108,30 +110,30 @@ def grpo_reference(r: list[float], k: int, eps: float) -> list[float]:
 def test_grpo_matches_the_paper(batch, eps: float) -> None:
     k, mask, g = batch
     r = torch.randn(len(mask), generator=g, dtype=torch.float64) * 3
-    got = ppo.grpo_advantages(r, mask, k, eps)
+    got = adv.grpo_advantages(r, mask, k, eps)
     assert got.dtype == torch.float64 and got.shape == mask.shape
     assert_per_sample_on_real_tokens(got, mask, grpo_reference(r.tolist(), k, eps))
 
 
 def test_grpo_defaults_to_trl_eps() -> None:
     r, mask = torch.tensor([0.0, 1.0, 3.0, 5.0], dtype=torch.float64), torch.ones(4, 1)
-    torch.testing.assert_close(ppo.grpo_advantages(r, mask, 2), ppo.grpo_advantages(r, mask, 2, eps=1e-4))
+    torch.testing.assert_close(adv.grpo_advantages(r, mask, 2), adv.grpo_advantages(r, mask, 2, eps=1e-4))
 
 
 def test_grpo_groups_have_mean_zero_unit_std_and_ignore_shift_and_scale(batch) -> None:
     k, mask, g = batch
     r = torch.randn(len(mask), generator=g, dtype=torch.float64) * 5
-    per_sample = ppo.group_view(ppo.grpo_advantages(r, mask, k).sum(1) / mask.sum(1), k)
+    per_sample = adv.group_view(adv.grpo_advantages(r, mask, k).sum(1) / mask.sum(1), k)
     torch.testing.assert_close(per_sample.mean(1), torch.zeros(N_PROMPTS, dtype=torch.float64))
     assert per_sample.std(1).tolist() == pytest.approx([1.0] * N_PROMPTS, abs=1e-3)  # eps keeps it a hair below 1
     transformed = r * 7 + torch.arange(N_PROMPTS, dtype=torch.float64).repeat_interleave(k) * 100
-    torch.testing.assert_close(ppo.grpo_advantages(transformed, mask, k, eps=0.0),
-                               ppo.grpo_advantages(r, mask, k, eps=0.0))
+    torch.testing.assert_close(adv.grpo_advantages(transformed, mask, k, eps=0.0),
+                               adv.grpo_advantages(r, mask, k, eps=0.0))
 
 
 def test_grpo_group_of_equal_rewards_gets_zero_advantages() -> None:
     r = torch.tensor([2.0, 2.0, 2.0, 1.0, 0.0, 5.0])
-    got = ppo.grpo_advantages(r, torch.ones(6, 2), 3)
+    got = adv.grpo_advantages(r, torch.ones(6, 2), 3)
     assert (got[:3] == 0).all() and (got[3:] != 0).all() and torch.isfinite(got).all()
 
 
@@ -156,7 +158,7 @@ def test_reinforce_pp_matches_the_paper(batch, gamma: float) -> None:
     k, mask, g = batch
     rewards = torch.randn(mask.shape, generator=g, dtype=torch.float64)
     rewards[~mask.bool()] = GARBAGE
-    advantages, returns = ppo.reinforce_pp_advantages(rewards, mask, gamma)
+    advantages, returns = adv.reinforce_pp_advantages(rewards, mask, gamma)
     expected_returns, expected_advantages = reinforce_pp_reference(rewards, mask, gamma)
     for i in range(len(mask)):
         real = real_positions(mask, i)
@@ -169,7 +171,7 @@ def test_reinforce_pp_matches_the_paper(batch, gamma: float) -> None:
 def test_reinforce_pp_advantages_have_batch_mean_zero_and_unit_std(batch) -> None:
     k, mask, g = batch
     rewards = torch.randn(mask.shape, generator=g, dtype=torch.float64) * 4 + 2
-    advantages, _ = ppo.reinforce_pp_advantages(rewards, mask, 1.0)
+    advantages, _ = adv.reinforce_pp_advantages(rewards, mask, 1.0)
     real = advantages[mask.bool()]
     assert real.mean().item() == pytest.approx(0.0, abs=1e-12)
     assert real.std().item() == pytest.approx(1.0, abs=1e-6)
@@ -182,22 +184,22 @@ def test_reinforce_pp_return_of_the_first_token_is_score_plus_kl_penalty() -> No
     logprobs, ref_logprobs = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
     scores = torch.randn(len(mask), generator=g)
     rewards, non_score_reward, _ = ppo.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.2)
-    _, returns = ppo.reinforce_pp_advantages(rewards, mask, 1.0)
-    first = ppo.first_true_indices(mask)
+    _, returns = adv.reinforce_pp_advantages(rewards, mask, 1.0)
+    first = mask.float().argmax(1)  # each row's first real token
     torch.testing.assert_close(returns[torch.arange(len(mask)), first], scores + non_score_reward.sum(1))
 
 
 # --- errors ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("estimator", [ppo.rloo_advantages, ppo.grpo_advantages])
+@pytest.mark.parametrize("estimator", [adv.rloo_advantages, adv.grpo_advantages])
 @pytest.mark.parametrize("k", [1, 0])
 def test_group_estimators_need_two_samples_per_prompt(estimator, k: int) -> None:
     with pytest.raises(ValueError, match=rf"{estimator.__name__}: k = {k} samples per prompt; .* needs k >= 2"):
         estimator(torch.zeros(4), torch.ones(4, 3), k)
 
 
-@pytest.mark.parametrize("estimator", [ppo.rloo_advantages, ppo.grpo_advantages])
+@pytest.mark.parametrize("estimator", [adv.rloo_advantages, adv.grpo_advantages])
 def test_group_estimators_need_whole_groups(estimator) -> None:
     with pytest.raises(ValueError, match="group_view: a batch of 5 samples is not a multiple of k = 2 samples"):
         estimator(torch.zeros(5), torch.ones(5, 3), 2)
@@ -205,20 +207,20 @@ def test_group_estimators_need_whole_groups(estimator) -> None:
 
 def test_group_view_layout_and_errors() -> None:
     x = torch.arange(6)
-    assert ppo.group_view(x, 3).tolist() == [[0, 1, 2], [3, 4, 5]]  # sample index = prompt * k + j
-    assert ppo.group_view(x, 1).tolist() == [[v] for v in range(6)]
+    assert adv.group_view(x, 3).tolist() == [[0, 1, 2], [3, 4, 5]]  # sample index = prompt * k + j
+    assert adv.group_view(x, 1).tolist() == [[v] for v in range(6)]
     with pytest.raises(ValueError, match="group_view: k = 0 samples per prompt; it must be >= 1"):
-        ppo.group_view(x, 0)
+        adv.group_view(x, 0)
     with pytest.raises(ValueError, match="group_view: a batch of 6 samples is not a multiple of k = 4"):
-        ppo.group_view(x, 4)
+        adv.group_view(x, 4)
 
 
 @pytest.mark.parametrize("name", ["rloo_advantages", "grpo_advantages", "reinforce_pp_advantages"])
 def test_estimators_need_a_real_token_per_row(name: str) -> None:
     mask = torch.tensor([[1, 1], [0, 0], [0, 1], [0, 0]], dtype=torch.bool)
-    call = {"rloo_advantages": lambda: ppo.rloo_advantages(torch.zeros(4), mask, 2),
-            "grpo_advantages": lambda: ppo.grpo_advantages(torch.zeros(4), mask, 2),
-            "reinforce_pp_advantages": lambda: ppo.reinforce_pp_advantages(torch.zeros(4, 2), mask, 1.0)}[name]
+    call = {"rloo_advantages": lambda: adv.rloo_advantages(torch.zeros(4), mask, 2),
+            "grpo_advantages": lambda: adv.grpo_advantages(torch.zeros(4), mask, 2),
+            "reinforce_pp_advantages": lambda: adv.reinforce_pp_advantages(torch.zeros(4, 2), mask, 1.0)}[name]
     with pytest.raises(ValueError, match=rf"{name}: rows \[1, 3\] have no real response token"):
         call()
 
@@ -268,13 +270,13 @@ def test_estimate_advantages_follows_each_paper_from_compute_rewards_output(batc
     rewards, _, _ = ppo.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
     R = [sum(rewards[i, t].item() for t in real_positions(mask, i)) for i in range(len(mask))]
 
-    advantages, returns = ppo.estimate_advantages("rloo", rewards, mask, None, k, 1.0, 0.95)
+    advantages, returns = adv.estimate_advantages("rloo", rewards, mask, None, k, 1.0, 0.95)
     assert returns is None
     assert_per_sample_on_real_tokens(advantages, mask, rloo_reference(R, k))
-    advantages, returns = ppo.estimate_advantages("grpo", rewards, mask, None, k, 1.0, 0.95)
+    advantages, returns = adv.estimate_advantages("grpo", rewards, mask, None, k, 1.0, 0.95)
     assert returns is None
     assert_per_sample_on_real_tokens(advantages, mask, grpo_reference(R, k, 1e-4))
-    advantages, returns = ppo.estimate_advantages("reinforce_pp", rewards, mask, None, k, 0.9, 0.95)
+    advantages, returns = adv.estimate_advantages("reinforce_pp", rewards, mask, None, k, 0.9, 0.95)
     expected_returns, expected_advantages = reinforce_pp_reference(rewards, mask, 0.9)
     for i in range(len(mask)):
         real = real_positions(mask, i)
@@ -282,15 +284,15 @@ def test_estimate_advantages_follows_each_paper_from_compute_rewards_output(batc
         assert advantages[i, real].tolist() == pytest.approx(expected_advantages[i], rel=1e-10, abs=1e-10)
 
 
-def test_estimate_advantages_gae_is_compute_advantages_and_unknown_names_fail() -> None:
+def test_estimate_advantages_gae_is_gae_advantages_and_unknown_names_fail() -> None:
     g = torch.Generator().manual_seed(2)
     mask = ragged_mask(2, "mixed", torch.float32, 4)
     values, rewards = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
-    got = ppo.estimate_advantages("gae", rewards, mask, values, 2, 0.9, 0.8, whiten_rewards=True)
-    expected = ppo.compute_advantages(values, rewards, mask, 0.9, 0.8, whiten_rewards=True)
+    got = adv.estimate_advantages("gae", rewards, mask, values, 2, 0.9, 0.8, whiten_rewards=True)
+    expected = adv.gae_advantages(values, rewards, mask, 0.9, 0.8, whiten_rewards=True)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     with pytest.raises(ValueError, match="estimate_advantages: unknown estimator 'ppo'"):
-        ppo.estimate_advantages("ppo", rewards, mask, values, 2, 0.9, 0.8)
+        adv.estimate_advantages("ppo", rewards, mask, values, 2, 0.9, 0.8)
 
 
 @pytest.mark.parametrize("kl_loss_coef", [0.0, 0.04])
@@ -318,3 +320,15 @@ def test_a_skipped_minibatch_skips_the_kl_term_too() -> None:
     loss.backward()
     assert stats["policy/skipped"].item() == 1.0 and loss.item() == 0.0 and (logprobs.grad == 0).all()
     assert stats["loss/kl"].item() > 0  # still reported
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_every_estimator_record_dispatches_to_its_function(name: str) -> None:
+    """Each record's estimator runs through the dispatch; one that trains a critic uses its values, the others do not
+    (their advantages are the same whatever the values)."""
+    g = torch.Generator().manual_seed(4)
+    mask = ragged_mask(4, "right", torch.float32, 5)
+    rewards = torch.randn(mask.shape, generator=g)
+    runs = [adv.estimate_advantages(name, rewards, mask, torch.randn(mask.shape, generator=g), 2, 1.0, 0.95)[0]
+            for _ in range(2)]
+    assert torch.equal(runs[0], runs[1]) != ESTIMATORS[name].trains_critic

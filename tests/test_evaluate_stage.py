@@ -12,10 +12,10 @@ import torch
 from conftest import NEUTRAL_WORDS, POSITIVE_WORDS, ROOT, build_tiny_gpt2, set_params
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stages.core.errors import DataError, ModelError, ParamsError
-from stages.core.paths import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_PROMPTS, EVAL_REPORT, EVAL_SAMPLES, POLICY_DIR
-from stages.core.rollout import response_lengths
-from stages.core.scorers import judge_name
+from rlhf.models.scorers import judge_name
+from rlhf.pipeline.errors import DataError, ModelError, ParamsError
+from rlhf.pipeline.paths import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_PROMPTS, EVAL_REPORT, EVAL_SAMPLES, POLICY_DIR
+from rlhf.rl.rollout import response_lengths
 from stages.evaluate import main
 
 N_PROMPTS = 6

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from stages.core.evaluation import (
+from rlhf.eval.evaluation import (
     REWARD,
     distinct_n,
     eval_metrics,
@@ -19,7 +19,7 @@ from stages.core.evaluation import (
     score_stats,
     sequence_kl,
 )
-from stages.core.scorers import judge_name
+from rlhf.models.scorers import judge_name
 
 
 def brute_force_kl(logits, ref_logits, responses, mask):

@@ -27,17 +27,18 @@ import pytest
 from conftest import build_tiny_classifier, set_params, write_prompts
 from helpers import leftovers, run, run_cli, snapshot, training_project
 
+from rlhf.models.loading import load_causal_lm
+from rlhf.models.scorers import ClassifierScorer
+from rlhf.pipeline.errors import ModelError, PipelineError
+from rlhf.pipeline.io import StagedOutputs, atomic_path, write_text
+from rlhf.pipeline.params import defaults
+from rlhf.pipeline.registry import stage as stage_record
+from rlhf.pipeline.registry import stage_names
 from stages import ppo as ppo_stage
 from stages import reward as reward_stage
-from stages.core.errors import ModelError, PipelineError
-from stages.core.io import StagedOutputs, atomic_path, write_text
-from stages.core.modeling import load_causal_lm
-from stages.core.params import ModelParams
-from stages.core.paths import STAGE_OUTPUTS
-from stages.core.scorers import ClassifierScorer
 
 FAULT = Path(__file__).parent / "fault.py"
-STAGES = list(STAGE_OUTPUTS)
+STAGES = stage_names()
 PPO = {"ppo.steps": 4, "ppo.batch_size": 4, "ppo.mini_batch_size": 2, "ppo.checkpoint_every": 2,
        "ppo.response_min_tokens": 3, "ppo.response_max_tokens": 6, "evaluate.batch_size": 4}
 
@@ -70,7 +71,7 @@ def stage_project(project: Path, imdb_dir: Path, tokenizer_dir: Path, tiny_gpt2_
 
 def plant_outputs(project: Path, stage: str) -> dict[str, bytes]:
     """Stand-ins for a previous run's outputs of ``stage`` (a file, or a folder holding one); their snapshot."""
-    for output in STAGE_OUTPUTS[stage]:
+    for output in stage_record(stage).output_paths:
         path = project / output
         path.parent.mkdir(parents=True, exist_ok=True)
         if output.suffix:
@@ -95,9 +96,9 @@ def last_line(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.parametrize(("truncate", "load", "what"), [
-    (lambda size: size - 100, lambda path: load_causal_lm(str(path), ModelParams(), what="model.policy"),
+    (lambda size: size - 100, lambda path: load_causal_lm(str(path), defaults().model, what="model.policy"),
      "model.policy"),
-    (lambda size: 0, lambda path: ClassifierScorer(str(path), ModelParams()), "reward.model"),
+    (lambda size: 0, lambda path: ClassifierScorer(str(path), defaults().model), "reward.model"),
 ], ids=["truncated-policy", "empty-reward-model"])
 def test_a_truncated_or_empty_weights_file_is_named(truncate: Callable[[int], int], load: Callable[[Path], object],
                                                     what: str, tiny_gpt2_dir: Path, tiny_classifier_dir: Path,
@@ -155,7 +156,7 @@ def test_an_unwritable_output_folder_stops_the_stage_before_models_load(stage_pr
     assert not (project / "data/checkpoints").exists()  # the models never loaded
 
 
-LOSS = r"^stages/core/sft\.py:train\.<locals>\.loss$"  # one call per micro-batch of the sft training loop
+LOSS = r"^rlhf/train/sft\.py:train\.<locals>\.loss$"  # one call per micro-batch of the sft training loop
 
 
 @pytest.mark.slow
@@ -163,9 +164,9 @@ LOSS = r"^stages/core/sft\.py:train\.<locals>\.loss$"  # one call per micro-batc
     # out of GPU memory inside each stage's loop names the stage's param to lower (ppo's own test is test_guards')
     ("sft", LOSS, 3, "oom", "error: out of GPU memory in sft: lower sft.batch_size (and raise "
      "sft.gradient_accumulation_steps to keep the same batch)", 1),
-    ("reward", r"^stages/core/reward_model\.py:scores$", 1, "oom",
+    ("reward", r"^rlhf/train/reward_model\.py:scores$", 1, "oom",
      "error: out of GPU memory in reward: lower reward.batch_size or reward.max_length", 1),
-    ("evaluate", r"^stages/core/rollout\.py:generate$", 1, "oom",
+    ("evaluate", r"^rlhf/rl/rollout\.py:generate$", 1, "oom",
      "error: out of GPU memory in evaluate: lower evaluate.batch_size", 1),
     # a full disk in a writer of a checkpoint (step 1), of the model (the second safetensors file), of a rollout
     # chunk (mid-run)
@@ -176,7 +177,7 @@ LOSS = r"^stages/core/sft\.py:train\.<locals>\.loss$"  # one call per micro-batc
      "error: disk full writing data/checkpoints/ppo/step-000001", 1),
     # Ctrl-C before and after the first checkpoint (a real SIGINT: test_resume's kill test)
     ("sft", LOSS, 3, "interrupt", "interrupted at step 2; nothing written", 130),
-    ("ppo", r"^stages/core/trainer\.py:PPOTrainer\.step$", 4, "interrupt",
+    ("ppo", r"^rlhf/rl/trainer\.py:PPOTrainer\.step$", 4, "interrupt",
      "interrupted at step 3; checkpoint data/checkpoints/ppo/step-000001 kept; rerun to resume", 130),
 ], ids=["oom-sft", "oom-reward", "oom-evaluate", "disk-full-model", "disk-full-rollouts", "disk-full-checkpoint",
         "interrupt-sft", "interrupt-ppo"])
@@ -270,7 +271,7 @@ def test_written_files_get_the_users_umask(tiny_gpt2_dir: Path, tmp_path: Path) 
     """transformers writes model.safetensors 0600 through a temporary file of its own; ours follow the umask."""
     umask = os.umask(0o022)
     os.umask(umask)
-    lm = load_causal_lm(str(tiny_gpt2_dir), ModelParams())
+    lm = load_causal_lm(str(tiny_gpt2_dir), defaults().model)
     with atomic_path(tmp_path / "model") as tmp:
         lm.save_pretrained(tmp)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "model", *(tmp_path / "model").iterdir()]}

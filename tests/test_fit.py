@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.core.batches import RandomBatches, ShuffledBatches
-from stages.core.errors import TrainingError
-from stages.core.fit import FitPlan, fit
+from rlhf.pipeline.errors import TrainingError
+from rlhf.train.batches import RandomBatches, ShuffledBatches
+from rlhf.train.fit import FitPlan, fit
 
 X = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
 Y = X @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(1))

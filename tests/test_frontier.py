@@ -16,8 +16,8 @@ import yaml
 from conftest import dvc
 from test_experiments import git_commit
 
-from stages.core.frontier import chart_points, frontier_rows, grid, member, same, write_frontier
-from stages.frontier import DEFAULT_KL_COEFS
+from rlhf.eval.frontier import chart_points, frontier_rows, grid, member, same, write_frontier
+from tools.frontier import DEFAULT_KL_COEFS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRESS = re.compile(r"^\[\d+/\d+\] (\S+): (ran in \d+ s|skipped .*)$", re.M)
@@ -87,7 +87,7 @@ def run_frontier(project: Path, *args: str) -> subprocess.CompletedProcess:
     """The command in ``project``, with this interpreter's dvc and python first on PATH (DVC runs the stages)."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(ROOT), "DVC_NO_ANALYTICS": "1"}
-    return subprocess.run([sys.executable, "-m", "stages.frontier", *args], cwd=project, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tools.frontier", *args], cwd=project, env=env, capture_output=True,
                           text=True)
 
 

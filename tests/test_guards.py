@@ -15,9 +15,11 @@ import torch
 from conftest import build_tiny_gpt2, set_params
 from helpers import TokenShareScorer, batch, make_trainer, run
 
-from stages.core.errors import ModelError, TrainingError
-from stages.core.params import ModelParams
-from stages.core.scorers import ClassifierScorer
+from rlhf.models.scorers import ClassifierScorer
+from rlhf.pipeline.cli import one_line
+from rlhf.pipeline.errors import ModelError
+from rlhf.pipeline.params import defaults
+from rlhf.pipeline.registry import stage
 
 
 class OutOfMemoryScorer(TokenShareScorer):
@@ -25,28 +27,25 @@ class OutOfMemoryScorer(TokenShareScorer):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-def test_out_of_memory_in_the_rollout_names_the_batch_size(tiny_gpt2_dir: Path) -> None:
-    trainer = make_trainer(tiny_gpt2_dir, OutOfMemoryScorer)
-    with pytest.raises(TrainingError, match=r"^step 7: out of GPU memory in make_experience: lower ppo.batch_size"):
-        trainer.step(*batch(trainer), step=7)
-
-
-def test_out_of_memory_in_the_update_names_the_mini_batch_size(tiny_gpt2_dir: Path) -> None:
-    trainer = make_trainer(tiny_gpt2_dir)
+@pytest.mark.parametrize("phase", ["rollout", "update"])
+def test_out_of_memory_in_a_ppo_step_names_the_batch_sizes(tiny_gpt2_dir: Path, phase: str) -> None:
+    trainer = make_trainer(tiny_gpt2_dir, OutOfMemoryScorer if phase == "rollout" else TokenShareScorer)
 
     def out_of_memory_with_grad(module: torch.nn.Module, args: tuple, output: object) -> None:
         if torch.is_grad_enabled():  # only the update's forward passes build a graph
             raise torch.OutOfMemoryError("CUDA out of memory")
 
     trainer.policy.lm.transformer.register_forward_hook(out_of_memory_with_grad)
-    with pytest.raises(TrainingError, match=r"^step 2: out of GPU memory in update: lower ppo.mini_batch_size and "
-                                            r"raise ppo.gradient_accumulation_steps"):
+    with pytest.raises(torch.OutOfMemoryError) as caught:
         trainer.step(*batch(trainer), step=2)
+    assert one_line(caught.value, stage("ppo")) == (
+        "out of GPU memory in ppo: lower ppo.batch_size (generation holds the whole batch) or ppo.mini_batch_size "
+        "(raising ppo.gradient_accumulation_steps keeps the same batch)")
 
 
 def test_a_causal_lm_is_not_a_reward_model(tiny_gpt2_dir: Path) -> None:
     with pytest.raises(ModelError, match=r"^reward.model: .*: a GPT2LMHeadModel, not a sequence classifier"):
-        ClassifierScorer(str(tiny_gpt2_dir), ModelParams())
+        ClassifierScorer(str(tiny_gpt2_dir), defaults().model)
 
 
 def test_a_many_label_classifier_needs_the_positive_label(tmp_path: Path, tokenizer_dir: Path) -> None:
@@ -55,7 +54,7 @@ def test_a_many_label_classifier_needs_the_positive_label(tmp_path: Path, tokeni
     three = build_tiny_classifier(tmp_path / "three", tokenizer_dir, num_labels=3)
     with pytest.raises(ModelError, match=r"^reward.model: 3 outputs and none labelled reward.positive_label="
                                          r"'POSITIVE' \(labels: LABEL_0, LABEL_1, LABEL_2\)"):
-        ClassifierScorer(str(three), ModelParams())
+        ClassifierScorer(str(three), defaults().model)
 
 
 def write_ids(project: Path, ids: list[list[int]]) -> None:

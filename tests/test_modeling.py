@@ -10,8 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stages.core.errors import ModelError
-from stages.core.modeling import (
+from rlhf.models.loading import (
     FAST_GELU,
     check_vocab_match,
     fast_activations,
@@ -19,10 +18,11 @@ from stages.core.modeling import (
     load_sequence_classifier,
     load_tokenizer,
 )
-from stages.core.params import ModelParams
+from rlhf.pipeline.errors import ModelError
+from rlhf.pipeline.params import defaults
 
-SAFE = ModelParams()
-PICKLE_OK = ModelParams(allow_pickle=True)
+SAFE = defaults().model
+PICKLE_OK = defaults().model.model_copy(update={"allow_pickle": True})
 
 
 def pickled_copy(src: Path, dest: Path) -> Path:

@@ -1,4 +1,5 @@
-"""params.yaml <-> typed config <-> dvc.yaml agree, and every validation rule fails with a message naming its key."""
+"""params.yaml -> typed config: every key documented, the stages' reads, and every validation rule failing with a
+message naming its key."""
 
 from __future__ import annotations
 
@@ -9,17 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from stages.core.errors import ParamsError
-from stages.core.params import (
-    STAGE_PARAMS,
-    Params,
-    declaration,
-    dotted_keys,
-    load_params,
-    parse_params,
-    read_yaml,
-    stage_params,
-)
+from rlhf.pipeline.errors import ParamsError
+from rlhf.pipeline.params import defaults, load_params, parse_params, stage_params
+from rlhf.pipeline.registry import stage, stage_names
+from rlhf.pipeline.schema import Params
+from rlhf.pipeline.sections import declaration, dotted_keys
+from rlhf.pipeline.yaml_files import read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,12 +35,8 @@ def with_value(raw: dict, dotted: str, value: object) -> dict:
     return raw
 
 
-def test_params_yaml_is_the_documented_defaults() -> None:
-    assert load_params(ROOT / "params.yaml") == Params()
-
-
 def test_classic_recipe_defaults() -> None:
-    p = Params()
+    p = defaults()
     assert (p.data.source, p.model.policy, p.reward.model) == (
         "stanfordnlp/imdb", "lvwerra/gpt2-imdb", "lvwerra/distilbert-imdb")
     assert (p.prepare.min_review_chars, p.prepare.prompt_min_tokens, p.prepare.prompt_max_tokens) == (200, 2, 8)
@@ -54,44 +46,31 @@ def test_classic_recipe_defaults() -> None:
 
 
 def test_every_key_is_documented() -> None:
-    undocumented = [key for key in dotted_keys() if not declaration(key).description]
+    undocumented = [key for key in dotted_keys(Params) if not declaration(Params, key).description]
     assert not undocumented
 
 
-def test_dvc_yaml_params_are_the_declared_stage_params() -> None:
-    stages = read_yaml(ROOT / "dvc.yaml")["stages"]
-    assert set(stages) == set(STAGE_PARAMS)
-    for name, stage in stages.items():
-        assert stage["params"] == list(STAGE_PARAMS[name]), f"dvc.yaml stage {name}: params differ from STAGE_PARAMS"
-    sections = set(Params.model_fields)
-    for name, entries in STAGE_PARAMS.items():
-        for entry in entries:
-            assert entry in dotted_keys() or entry in sections, f"STAGE_PARAMS[{name!r}]: {entry} is no param"
-
-
 def test_stage_params_are_json_ready_and_honour_exclude() -> None:
-    p = Params()
+    p = defaults()
     ppo = stage_params(p, "ppo", exclude=("ppo.nan_policy",))
     assert json.loads(json.dumps(ppo)) == ppo
     assert ppo["prepare.prompt_max_tokens"] == 8 and ppo["model.precision"] == "auto" and ppo["ppo.steps"] == 194
     assert "ppo.nan_policy" not in ppo and "ppo.checkpoint_every" in ppo and "reward.base" not in ppo
-    assert set(stage_params(p, "sft")) == {"seed", *(k for k in dotted_keys() if k.startswith(("data.", "model.",
+    assert set(stage_params(p, "sft")) == {"seed", *(k for k in dotted_keys(Params) if k.startswith(("data.", "model.",
                                                                                                     "sft.")))}
 
 
 def test_ppo_params_are_read_only_by_ppo_and_evaluate() -> None:
-    stages = read_yaml(ROOT / "dvc.yaml")["stages"]
-    readers = {name for name, s in stages.items() for k in s.get("params", []) if k == "ppo" or k.startswith("ppo.")}
+    readers = {name for name in stage_names() for k in stage(name).params if k == "ppo" or k.startswith("ppo.")}
     assert readers == {"ppo", "evaluate"}
-    assert not any(k.startswith("ppo") or k == "evaluate" for k in stages["prepare"]["params"])
+    assert not any(k.startswith("ppo") or k == "evaluate" for k in stage("prepare").params)
 
 
-def test_stage_deps_exist() -> None:
-    stages = read_yaml(ROOT / "dvc.yaml")["stages"]
-    for name, stage in stages.items():
-        for dep in stage.get("deps", []):
-            if dep.startswith(("stages/", "data/raw")):
-                assert (ROOT / dep).exists(), f"dvc.yaml stage {name}: dep {dep} does not exist"
+def test_every_entry_a_stage_reads_is_a_param() -> None:
+    sections = set(Params.model_fields)
+    for name in stage_names():
+        for entry in stage(name).params:
+            assert entry in dotted_keys(Params) or entry in sections, f"stage {name}: {entry} is no param"
 
 
 @pytest.mark.parametrize(
@@ -187,7 +166,7 @@ def test_strict_types_and_declared_bounds(raw: dict, dotted: str, value: object,
 
 @pytest.mark.parametrize(("dotted", "message"), [
     ("ppo.steps", "params.yaml: ppo.steps: missing (params.yaml is the DVC cache key: every key must be written out; "
-                  "default: 194)"),
+                  "the project's default: 194)"),
     ("evaluate", "params.yaml: evaluate: missing (params.yaml is the DVC cache key: every key must be written out; "
                  "a section)"),
 ])
@@ -269,7 +248,7 @@ def test_unreadable_params_file(tmp_path: Path) -> None:
 
 
 def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
-    p = Params()
+    p = defaults()
     assert p.tokenizer_path == "lvwerra/gpt2-imdb"
     p = p.model_copy(update={"sft": p.sft.model_copy(update={"enabled": True, "base": "gpt2"})})
     assert p.tokenizer_path == "gpt2"

@@ -1,4 +1,4 @@
-"""One rule for local path vs Hub id, used by every loader; dvc.yaml names no path that stages/core/paths.py lacks."""
+"""One rule for local path vs Hub id, used by every loader."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import ROOT
 
-from stages.core import paths
-from stages.core.data import load_imdb
-from stages.core.errors import DataError, ModelError
-from stages.core.modeling import load_causal_lm, load_tokenizer
-from stages.core.params import ModelParams
+from rlhf.data.imdb import load_imdb
+from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.pipeline import paths
+from rlhf.pipeline.errors import DataError, ModelError
+from rlhf.pipeline.params import defaults
 
 
 @pytest.mark.parametrize("value", ["./model", "/abs/model", "~/model", "mydir/sub/model", "reviews.parquet",
@@ -40,9 +39,9 @@ def test_loaders_agree_a_missing_local_path_is_local(tmp_path: Path, monkeypatch
     """A missing path-like value fails as a missing local path in every loader, never as a Hub download."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelError, match=r"^sft.base: mydir/sub/model: no such directory$"):
-        load_causal_lm("mydir/sub/model", ModelParams(), what="sft.base")
+        load_causal_lm("mydir/sub/model", defaults().model, what="sft.base")
     with pytest.raises(ModelError, match=r"^model.tokenizer: mydir/sub/tok: no such directory$"):
-        load_tokenizer("mydir/sub/tok", ModelParams())
+        load_tokenizer("mydir/sub/tok", defaults().model)
     with pytest.raises(DataError, match=r"^mydir/sub/imdb: no such file or folder$"):
         load_imdb("mydir/sub/imdb", None, ["train"])
 
@@ -57,31 +56,16 @@ def test_a_missing_path_read_as_a_hub_id_fails_in_one_line_naming_the_key(tmp_pa
     with pytest.raises(DataError, match=rf"^data.source: data/imdb: {unreachable}"):
         load_imdb("data/imdb", None, ["train"])
     with pytest.raises(ModelError, match=rf"^model.policy: models/nope: {unreachable}"):
-        load_causal_lm("models/nope", ModelParams(), what="model.policy")
+        load_causal_lm("models/nope", defaults().model, what="model.policy")
     with pytest.raises(ModelError, match=rf"^model.tokenizer: models/tok: {unreachable}"):
-        load_tokenizer("models/tok", ModelParams())
+        load_tokenizer("models/tok", defaults().model)
 
 
 def test_an_unreachable_hub_is_asked_once(tmp_path: Path) -> None:
     """Online, with nothing listening at the Hub's address: the first refused connection is the answer."""
-    code = "from stages.core.paths import unreachable_hub_id; print(unreachable_hub_id('data/imdb', 'dataset'))"
+    code = "from rlhf.pipeline.paths import unreachable_hub_id; print(unreachable_hub_id('data/imdb', 'dataset'))"
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env={
         **os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
         "HF_HUB_CACHE": str(tmp_path / "cache")})
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("cannot reach the Hub: "), result.stdout
-
-def dvc_paths() -> set[str]:
-    """Every data, model and metrics path the stages of dvc.yaml depend on or write (code aside)."""
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    names: set[str] = set()
-    for stage in stages.values():
-        for section in ("deps", "outs", "metrics", "plots"):
-            for entry in stage.get(section, []):
-                names |= set(entry) if isinstance(entry, dict) else {entry}
-    return {name for name in names if not name.startswith("stages/")}
-
-
-def test_dvc_yaml_names_only_paths_of_the_paths_module() -> None:
-    known = {value.as_posix() for value in vars(paths).values() if isinstance(value, Path)}
-    assert dvc_paths() - known == set()

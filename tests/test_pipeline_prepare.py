@@ -13,9 +13,9 @@ import pytest
 from conftest import dvc, make_split, set_params
 from helpers import run_cli
 
+from rlhf.data.imdb import load_imdb
+from rlhf.pipeline.cli import run_stage
 from stages import prepare
-from stages.core.data import load_imdb
-from stages.core.errors import run_stage
 
 OUTPUTS = ["data/prompts/train.parquet", "data/prompts/eval.parquet", "data/pairs/train.parquet",
            "data/pairs/test.parquet", "metrics/prepare.json"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stages.core.plots import histogram
+from rlhf.eval.plots import histogram
 
 
 def test_histogram_shares_bins_and_counts_every_score() -> None:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from conftest import dvc
 
-from stages.core.frontier import CHART_DIR, write_frontier
+from rlhf.eval.frontier import CHART_DIR, write_frontier
 
 VEGA_JS_DIR = Path(os.environ.get("VEGA_JS_DIR", Path.home() / ".cache" / "imdb-rlhf" / "vega"))
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

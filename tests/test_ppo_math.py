@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from stages.core import logprobs as lp
-from stages.core import ppo
+from rlhf.models import logprobs as lp
+from rlhf.rl import advantages as estimators
+from rlhf.rl import ppo
 
 B, T, V = 5, 7, 11
 
@@ -88,13 +89,11 @@ def test_masked_var_needs_two_values(n: int) -> None:
         ppo.masked_var(torch.ones(1, 3), mask)
 
 
-def test_first_and_last_true_indices(case) -> None:
+def test_last_true_indices(case) -> None:
     _, mask = case
     mask = torch.cat([mask, torch.zeros(1, T)])  # and a row with none
-    first = [next((t for t in range(T) if mask[i, t]), T) for i in range(B + 1)]
     last = [max((t for t in range(T) if mask[i, t]), default=-1) for i in range(B + 1)]
     for m in (mask, mask.bool()):
-        assert ppo.first_true_indices(m).tolist() == first
         assert ppo.last_true_indices(m).tolist() == last
 
 
@@ -293,7 +292,7 @@ def test_gae_matches_the_unpadded_episodes(case, whiten_rewards: bool) -> None:
     g, mask = case
     values, rewards = (torch.randn(B, T, generator=g, dtype=torch.float64) for _ in range(2))
     values[mask == 0], rewards[mask == 0] = 50.0, -30.0  # padding garbage must not leak into real tokens
-    advantages, returns = ppo.compute_advantages(values, rewards, mask, 0.9, 0.8, whiten_rewards)
+    advantages, returns = estimators.gae_advantages(values, rewards, mask, 0.9, 0.8, whiten_rewards)
     r_rows, v_rows = rows(rewards, mask), rows(values, mask)
     if whiten_rewards:
         r_flat = flat(rewards, mask)
@@ -315,15 +314,15 @@ def test_gae_is_the_same_left_padded_right_padded_and_unpadded(seed: int) -> Non
     values_left, rewards_left = (torch.randn(B, T, generator=g, dtype=torch.float64) for _ in range(2))
     values_right, rewards_right = torch.zeros(B, T, dtype=torch.float64), torch.zeros(B, T, dtype=torch.float64)
     values_right[right == 1], rewards_right[right == 1] = values_left[left == 1], rewards_left[left == 1]
-    adv_left, ret_left = ppo.compute_advantages(values_left, rewards_left, left, 1.0, 0.95)
-    adv_right, ret_right = ppo.compute_advantages(values_right, rewards_right, right, 1.0, 0.95)
+    adv_left, ret_left = estimators.gae_advantages(values_left, rewards_left, left, 1.0, 0.95)
+    adv_right, ret_right = estimators.gae_advantages(values_right, rewards_right, right, 1.0, 0.95)
     assert torch.equal(ret_left[left == 1], ret_right[right == 1])  # the same arithmetic on the same numbers
     torch.testing.assert_close(adv_left[left == 1], adv_right[right == 1])  # batch whitening sums in another order
     for i in range(B):
         real = left[i] == 1
         if real.sum() < 2:
             continue  # whitening a single value is undefined
-        _, ret_alone = ppo.compute_advantages(values_left[i:i + 1, real], rewards_left[i:i + 1, real],
+        _, ret_alone = estimators.gae_advantages(values_left[i:i + 1, real], rewards_left[i:i + 1, real],
                                               torch.ones(1, int(real.sum())), 1.0, 0.95)
         assert torch.equal(ret_alone[0], ret_left[i, real])
 

@@ -10,11 +10,8 @@ import pandas as pd
 import pytest
 from conftest import make_split
 
-from stages.core.data import filter_reviews, load_imdb
-from stages.core.errors import DataError
-from stages.core.modeling import load_tokenizer
-from stages.core.params import ModelParams
-from stages.core.tokenization import (
+from rlhf.data.imdb import filter_reviews, load_imdb
+from rlhf.data.prepare import (
     CHARS_PER_TOKEN,
     TAIL_TOKENS,
     build_pairs,
@@ -23,11 +20,14 @@ from stages.core.tokenization import (
     read_pairs_file,
     tokenize,
 )
+from rlhf.models.loading import load_tokenizer
+from rlhf.pipeline.errors import DataError
+from rlhf.pipeline.params import defaults
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir: Path):
-    return load_tokenizer(str(tokenizer_dir), ModelParams())
+    return load_tokenizer(str(tokenizer_dir), defaults().model)
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +255,7 @@ def test_unreadable_pairs_file(tmp_path: Path, name: str, content: bytes, messag
 @pytest.mark.slow
 @pytest.mark.shared
 def test_real_imdb_gives_24895_train_prompts(shared_dir: Path) -> None:
-    tokenizer = load_tokenizer(str(shared_dir / "gpt2-tokenizer"), ModelParams())
+    tokenizer = load_tokenizer(str(shared_dir / "gpt2-tokenizer"), defaults().model)
     train = filter_reviews(load_imdb(str(shared_dir / "imdb"), None, ["train"])["train"], 200, "train")
     assert len(train) == 24_895
     ids = tokenize(train["text"].tolist(), tokenizer, 8)

@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 from conftest import dvc, set_params
 
-from stages.core.params import load_params, read_yaml
-from stages.recipe import as_override, flatten, overlay
+from rlhf.pipeline.params import load_params
+from rlhf.pipeline.yaml_files import read_yaml
+from tools.recipe import as_override, flatten, overlay
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "presets").glob("*.yaml"))
 
 
 def run_recipe(cwd: Path, *args: str, path: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stages.recipe", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tools.recipe", *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(cwd if path else ROOT), "PATH": path,
                                "DVC_NO_ANALYTICS": "1"})
 

@@ -29,8 +29,8 @@ from conftest import TINY, set_params
 from helpers import leftovers, run, run_cli, snapshot, training_project
 from safetensors.torch import load_file
 
+from rlhf.pipeline.errors import TrainingError
 from stages import ppo as ppo_stage
-from stages.core.errors import TrainingError
 
 CHECKPOINTS = "data/checkpoints/ppo"
 STEPS = 40  # ~0.05 s each after ~8 s of start-up: long enough for a kill to land mid-run

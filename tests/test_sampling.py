@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from stages.core.decoding import SamplingParams, filter_logits, sample_tokens
+from rlhf.models.decoding import SamplingParams, filter_logits, sample_tokens
 
 V = 12
 

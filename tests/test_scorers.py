@@ -9,9 +9,9 @@ import torch
 from conftest import build_tiny_classifier
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from stages.core.errors import ModelError
-from stages.core.params import ModelParams, Params
-from stages.core.scorers import ClassifierScorer, VaderScorer, judge_name, make_reward_scorer
+from rlhf.models.scorers import ClassifierScorer, VaderScorer, judge_name, make_reward_scorer
+from rlhf.pipeline.errors import ModelError
+from rlhf.pipeline.params import defaults
 
 QUERIES = ["The movie was", "I think", "Awful", "A"]
 RESPONSES = [" great and moving.", " it was dull", " and boring, a mess", " superb film with a charming plot"]
@@ -28,7 +28,7 @@ def reference_logits(model_dir: Path) -> torch.Tensor:
 
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_positive_logit_of_a_sentiment_classifier(tiny_classifier_dir: Path, batch_size: int) -> None:
-    scorer = ClassifierScorer(str(tiny_classifier_dir), ModelParams(), batch_size=batch_size)
+    scorer = ClassifierScorer(str(tiny_classifier_dir), defaults().model, batch_size=batch_size)
     expected = reference_logits(tiny_classifier_dir)[:, 1]  # id2label {0: NEGATIVE, 1: POSITIVE}
     assert torch.allclose(scorer(QUERIES, RESPONSES), expected, atol=1e-5)
 
@@ -38,13 +38,13 @@ def test_positive_label_is_looked_up_by_name(tmp_path: Path, tokenizer_dir: Path
     config = AutoModelForSequenceClassification.from_pretrained(flipped).config
     config.id2label, config.label2id = {0: "POSITIVE", 1: "NEGATIVE"}, {"POSITIVE": 0, "NEGATIVE": 1}
     config.save_pretrained(flipped)
-    scorer = ClassifierScorer(str(flipped), ModelParams())
+    scorer = ClassifierScorer(str(flipped), defaults().model)
     assert torch.allclose(scorer(QUERIES, RESPONSES), reference_logits(flipped)[:, 0], atol=1e-5)
 
 
 def test_reward_model_scalar(tmp_path: Path, tokenizer_dir: Path) -> None:
     rm = build_tiny_classifier(tmp_path / "rm", tokenizer_dir, num_labels=1)
-    scorer = ClassifierScorer(str(rm), ModelParams(), batch_size=2)
+    scorer = ClassifierScorer(str(rm), defaults().model, batch_size=2)
     assert torch.allclose(scorer(QUERIES, RESPONSES), reference_logits(rm)[:, 0], atol=1e-5)
 
 
@@ -62,6 +62,6 @@ def test_judge_names_are_metric_friendly() -> None:
 
 def test_trained_reward_model_must_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    params = Params().model_copy(update={"reward": Params().reward.model_copy(update={"train": True})})
+    params = defaults().model_copy(update={"reward": defaults().reward.model_copy(update={"train": True})})
     with pytest.raises(ModelError, match=r"^reward.train is true but models/reward holds no trained model"):
         make_reward_scorer(params, "cpu")

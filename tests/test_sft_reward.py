@@ -13,17 +13,18 @@ from conftest import set_params
 from helpers import run_cli, signal_pairs
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from rlhf.models.loading import load_tokenizer
+from rlhf.pipeline.errors import DataError, ModelError, ParamsError
+from rlhf.pipeline.params import defaults, parse_params
+from rlhf.pipeline.schema import Params
+from rlhf.train import reward_model, sft
 from stages import reward
-from stages.core import reward_model, sft
-from stages.core.errors import DataError, ModelError, ParamsError
-from stages.core.modeling import load_tokenizer
-from stages.core.params import ModelParams, Params, parse_params
 
 CPU = torch.device("cpu")
 
 
 def tiny_params(tokenizer_dir: Path, **sft_overrides: object) -> Params:
-    p = Params()
+    p = defaults()
     s = p.sft.model_copy(update=dict(enabled=True, n_layer=2, n_embd=32, n_head=2, n_positions=64, block_size=32,
                                      batch_size=8, max_tokens=8 * 32 * 60, learning_rate=3e-3, warmup_steps=5,
                                      checkpoint_every=0, **sft_overrides))  # unit tests write no checkpoints
@@ -35,7 +36,7 @@ def tiny_params(tokenizer_dir: Path, **sft_overrides: object) -> Params:
 
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir: Path):
-    return load_tokenizer(str(tokenizer_dir), ModelParams())
+    return load_tokenizer(str(tokenizer_dir), defaults().model)
 
 
 def test_pack_puts_eos_between_reviews(tokenizer) -> None:
@@ -96,7 +97,7 @@ def test_sft_loss_goes_down_and_reloads(tokenizer_dir: Path, imdb_dir: Path, tok
 
 def raw_params(**sections: dict) -> dict:
     """Every key at its default (params.yaml must be complete), with ``sections``' keys changed."""
-    raw = Params().model_dump()
+    raw = defaults().model_dump()
     for name, changes in sections.items():
         raw[name].update(changes)
     return raw
@@ -131,8 +132,8 @@ def test_reward_model_learns_an_obvious_signal(tokenizer_dir: Path, tmp_path: Pa
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path)
-    again, _ = reward_model.evaluate(reloaded, load_tokenizer(str(tmp_path), ModelParams(), padding_side=None), test,
-                                     32, CPU)
+    tokenizer = load_tokenizer(str(tmp_path), defaults().model, padding_side=None)
+    again, _ = reward_model.evaluate(reloaded, tokenizer, test, 32, CPU)
     assert torch.allclose(again, chosen, atol=1e-5)
 
 
@@ -140,7 +141,7 @@ def test_score_is_read_at_the_last_real_token_for_either_padding(tiny_classifier
     model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir).eval()
     texts = ["a great movie with a superb plot", "dull"]
     for side in ("right", "left"):
-        tok = load_tokenizer(str(tiny_classifier_dir), ModelParams(), padding_side=side)
+        tok = load_tokenizer(str(tiny_classifier_dir), defaults().model, padding_side=side)
         with torch.no_grad():
             batched = reward_model.scores(model, tok, texts, 32, CPU)
             alone = torch.cat([reward_model.scores(model, tok, [t], 32, CPU) for t in texts])

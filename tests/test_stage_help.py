@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from stages.core.errors import run_stage
-from stages.core.params import STAGE_PARAMS
+from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.registry import stage as stage_record
+from rlhf.pipeline.registry import stage_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
-@pytest.mark.parametrize("stage", sorted(STAGE_PARAMS))
+@pytest.mark.parametrize("stage", stage_names())
 def test_help_lists_reads_params_and_writes_and_runs_nothing(stage: str, flag: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture) -> None:
@@ -31,11 +32,11 @@ def test_help_lists_reads_params_and_writes_and_runs_nothing(stage: str, flag: s
     out = capsys.readouterr().out
     assert out.startswith(f"usage: python -m stages.{stage} [-h]\n\n{stage}: ")
     lines = out.splitlines()
-    reads, params, writes = (next(i for i, line in enumerate(lines) if line.startswith(word))
-                             for word in ("Reads ", "Params ", "Writes "))
-    assert reads < params < writes
-    listed = [line.split()[0] for line in lines[params + 1: writes] if line.startswith("  ") and line[2] != " "]
-    assert listed == list(STAGE_PARAMS[stage])
+    reads, writes, params = (next(i for i, line in enumerate(lines) if line.startswith(word))
+                             for word in ("Reads ", "Writes ", "Params "))
+    assert reads < writes < params
+    listed = [line.split()[0] for line in lines[params + 1:] if line.startswith("  ") and line[2] != " "]
+    assert listed == list(stage_record(stage).params)
     assert not list(tmp_path.iterdir())
 
 
@@ -47,9 +48,9 @@ def test_help_from_the_command_line() -> None:
 
 
 def test_the_recipe_runner_keeps_its_own_help(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    from stages import recipe
+    from tools import recipe
 
-    monkeypatch.setattr(sys, "argv", ["stages/recipe.py", "--help"])
+    monkeypatch.setattr(sys, "argv", ["tools/recipe.py", "--help"])
     with pytest.raises(SystemExit) as exit_:
         run_stage(recipe.main)
     assert exit_.value.code == 0

@@ -1,4 +1,4 @@
-"""Every param a stage actually reads is declared in STAGE_PARAMS (and so in dvc.yaml): the whole pipeline runs
+"""Every param a stage actually reads is declared in its record (and so in dvc.yaml): the whole pipeline runs
 in-process on tiny models, once as the classic recipe and once with sft and reward trained, recording each access to
 a params field after load_params returned."""
 
@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 from conftest import set_params, write_prompts
 
-from stages.core.params import STAGE_PARAMS, Params, Section, dotted_keys
+from rlhf.pipeline.registry import stage as stage_record
+from rlhf.pipeline.registry import stage_names
+from rlhf.pipeline.schema import Params
+from rlhf.pipeline.sections import Section, dotted_keys
 
 SECTIONS = {field.annotation: name for name, field in Params.model_fields.items()}
 TINY = {"prepare.train_prompts": 16, "prepare.eval_prompts": 8, "prepare.train_pairs": 32, "prepare.test_pairs": 8,
@@ -24,7 +27,7 @@ TRAINED = {"sft.enabled": True, "sft.n_layer": 1, "sft.n_embd": 32, "sft.n_head"
 
 
 def declared(stage: str) -> set[str]:
-    return {key for entry in STAGE_PARAMS[stage] for key in dotted_keys()
+    return {key for entry in stage_record(stage).params for key in dotted_keys(Params)
             if key == entry or key.startswith(entry + ".")}
 
 
@@ -66,7 +69,7 @@ def test_stages_read_only_declared_params(trained: bool, project: Path, imdb_dir
                            "evaluate.judges": ["vader", str(tiny_classifier_dir)], **TINY,
                            **({"model.tokenizer": str(tokenizer_dir), **TRAINED} if trained else {})})
     monkeypatch.chdir(project)
-    for stage in STAGE_PARAMS:
+    for stage in stage_names():
         reads = run_recording(stage, monkeypatch)
         assert reads, f"{stage}: no params read (the recording is broken)"
-        assert reads <= declared(stage), f"{stage} reads {sorted(reads - declared(stage))}, not in STAGE_PARAMS"
+        assert reads <= declared(stage), f"{stage} reads {sorted(reads - declared(stage))}, not in its record"

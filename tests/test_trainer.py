@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers import TokenShareScorer, batch, make_trainer
 
-from stages.core import ppo
-from stages.core.errors import TrainingError
-from stages.core.rollout import forward, response_lengths
-from stages.core.trainer import PPOTrainer
+from rlhf.pipeline.errors import TrainingError
+from rlhf.rl import ppo
+from rlhf.rl.rollout import forward, response_lengths
+from rlhf.rl.trainer import PPOTrainer
 
 
 class NanScorer(TokenShareScorer):
@@ -104,7 +104,7 @@ def test_each_prompt_is_answered_k_times_in_a_row_with_one_length(tiny_gpt2_dir:
         assert n == lengths[i // k] or (exp.samples.has_eos[i] and n < lengths[i // k])
     assert len({tuple(r) for r in exp.samples.responses[:k].tolist()}) > 1  # k samples, not one copied
     # the leave-one-out advantages of each prompt's k samples sum to 0
-    first = ppo.first_true_indices(exp.mask)
+    first = exp.mask.float().argmax(1)  # each row's first real token
     per_sample = exp.advantages[torch.arange(len(first)), first]
     torch.testing.assert_close(per_sample.view(-1, k).sum(1), torch.zeros(len(queries)), atol=1e-5, rtol=0)
     # no value head: nothing of it in the policy or the optimizer

@@ -1,0 +1,54 @@
+"""The prompts prepare writes (data/prompts/{train,eval}.parquet): reading, checking against the model, batching."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.models.loading import context_size
+from rlhf.pipeline.errors import DataError
+
+
+@dataclass
+class Prompts:
+    input_ids: list[list[int]]
+    queries: list[str]
+
+    def __len__(self) -> int:
+        return len(self.queries)
+
+    def take(self, indices: Sequence[int]) -> tuple[list[list[int]], list[str]]:
+        """(token ids, texts) of the prompts at ``indices``, in that order."""
+        return [self.input_ids[i] for i in indices], [self.queries[i] for i in indices]
+
+
+def read_prompts(path: Path) -> Prompts:
+    if not path.exists():
+        raise DataError(f"{path}: missing (run the prepare stage first)")
+    table = pq.read_table(path)
+    for column in ("query", "input_ids"):
+        if column not in table.column_names:
+            raise DataError(f"{path}: missing column {column!r} (columns: {', '.join(table.column_names)})")
+    if table.num_rows == 0:
+        raise DataError(f"{path}: no prompts")
+    return Prompts(table["input_ids"].to_pylist(), table["query"].to_pylist())
+
+
+def check_prompts(path: Path, prompts: Prompts, tokenizer: PreTrainedTokenizerBase, lm: PreTrainedModel,
+                  response_max_tokens: int) -> None:
+    """Prompts tokenized with another tokenizer, or too long for the model's positions, fail before any sampling."""
+    limit, vocab = context_size(lm) - response_max_tokens, len(tokenizer)
+    for row, ids in enumerate(prompts.input_ids):
+        if not ids:
+            raise DataError(f"{path}: row {row}: empty prompt")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise DataError(f"{path}: row {row}: token id {bad[0]} outside the tokenizer's {vocab} ids "
+                            "(prompts tokenized with another tokenizer: rerun prepare)")
+        if len(ids) > limit:
+            raise DataError(f"{path}: row {row}: a {len(ids)}-token prompt + ppo.response_max_tokens="
+                            f"{response_max_tokens} exceed the policy's {context_size(lm)} positions")

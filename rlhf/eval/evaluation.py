@@ -1,0 +1,246 @@
+"""Evaluation of the final policy against the reference: sampling both on the same prompts through the training
+code path (rlhf.rl.rollout), scoring, sequence KL, fluency, diversity, the flat metrics, the before/after report.
+
+Runs are named after the model that sampled them: ``reference`` (the initial policy, "before") and ``policy`` (the
+PPO policy, "after"), plus ``reference_greedy`` / ``policy_greedy`` when evaluate.greedy is on. Scorers are the
+training reward (named ``reward``) and the judges of evaluate.judges, named by ``params.judge_name``: ``vader``,
+or a model id/dir's last path component with every run of characters outside [A-Za-z0-9_-] replaced by ``_``
+("lvwerra/distilbert-imdb" -> "distilbert-imdb", "models/my.clf/" -> "my_clf").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.models.logprobs import logprobs_from_logits
+from rlhf.models.scorers import Scorer
+from rlhf.pipeline.schema import Params
+from rlhf.rl.ppo import kl_penalty
+from rlhf.rl.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
+
+REWARD = "reward"
+VADER = "vader"
+VADER_POSITIVE = 0.05
+"""VADER's own convention: a compound score above 0.05 reads as positive."""
+LOGIT_POSITIVE = 0.0
+"""A classifier's positive-label logit (or a reward model's scalar) above 0 counts as positive."""
+GREEDY = SamplingParams(top_k=1, top_p=1.0, temperature=1.0)
+"""Sampling from the top-1 token is greedy decoding, through the same generate() as training."""
+SIDES = {"reference": "before", "policy": "after",
+         "reference_greedy": "before_greedy", "policy_greedy": "after_greedy"}
+"""Run name (metrics keys) -> column suffix in samples.parquet."""
+
+
+def positive_threshold(scorer: str) -> float:
+    """The score above which a response counts as positive: VADER's 0.05 on its compound, else a logit's 0."""
+    return VADER_POSITIVE if scorer == VADER else LOGIT_POSITIVE
+
+
+def score_stats(scores: np.ndarray, threshold: float) -> dict[str, float]:
+    """Mean, median and the fraction of scores strictly above ``threshold``."""
+    return {"mean": float(np.mean(scores)), "median": float(np.median(scores)),
+            "positive_rate": float(np.mean(scores > threshold))}
+
+
+def spread_stats(values: np.ndarray) -> dict[str, float]:
+    """Mean, median and 90th percentile of a per-sample quantity (KL has a long right tail)."""
+    return {"mean": float(np.mean(values)), "median": float(np.median(values)),
+            "p90": float(np.percentile(values, 90))}
+
+
+def score_key(scorer: str, run: str, stat: str) -> str:
+    """Flat metrics key: the training reward as ``<run>.reward_mean`` / ``<run>.positive_rate``, a judge as
+    ``judge.<name>.<run>_mean`` / ``judge.<name>.<run>_positive_rate``."""
+    if scorer == REWARD:
+        return f"{run}.{stat}" if stat == "positive_rate" else f"{run}.reward_{stat}"
+    return f"judge.{scorer}.{run}_{stat}"
+
+
+def score_column(scorer: str, run: str) -> str:
+    """samples.parquet column of a score: ``reward_after``, ``judge_vader_before``, ``reward_after_greedy``."""
+    return f"{scorer if scorer == REWARD else 'judge_' + scorer}_{SIDES[run]}"
+
+
+@torch.no_grad()
+def sequence_kl(logits: torch.Tensor, ref_logits: torch.Tensor, responses: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence KL(pi || pi_ref) on responses sampled from pi: (sampled estimate, exact), each (B,).
+
+    logits, ref_logits: (B, T, V) at the positions that predict each response token; responses, mask: (B, T).
+    Sampled: sum_t log pi(y_t) - log pi_ref(y_t), unbiased for the sequence KL. Exact: sum_t of the full KL over the
+    vocabulary at each position, the same per-token term as ``ppo.kl_penalty="full"``.
+    """
+    mask = mask.float()
+    logprobs, ref_logprobs = logprobs_from_logits(logits, responses), logprobs_from_logits(ref_logits, responses)
+    kl = kl_penalty(logprobs, ref_logprobs, "kl")
+    kl_full = kl_penalty(logprobs, ref_logprobs, "full", logits=logits, ref_logits=ref_logits)
+    return (kl * mask).sum(1), (kl_full * mask).sum(1)
+
+
+def perplexity(nll: np.ndarray, n_tokens: np.ndarray) -> float:
+    """Token-weighted perplexity exp(sum NLL / sum tokens) over a set of responses."""
+    return float(np.exp(np.sum(nll) / max(np.sum(n_tokens), 1)))
+
+
+def distinct_n(sequences: Sequence[Sequence[int]], n: int) -> float:
+    """Distinct-n (Li et al., 2016): unique n-grams / all n-grams over every response's tokens (0 when none)."""
+    ngrams = [tuple(seq[i:i + n]) for seq in sequences for i in range(len(seq) - n + 1)]
+    return len(set(ngrams)) / len(ngrams) if ngrams else 0.0
+
+
+def eval_metrics(scores: dict[str, dict[str, np.ndarray]], stats: dict[str, dict[str, np.ndarray]],
+                 response_ids: dict[str, Sequence[Sequence[int]]]) -> dict[str, float]:
+    """The flat, stable keys of metrics/eval.json.
+
+    scores[run][scorer]: per-sample scores of every run; stats[run] (``response_stats``) and response_ids[run] for
+    the sampled runs ``policy`` (with its KL) and ``reference``.
+    """
+    metrics: dict[str, float] = {}
+    for run, by_scorer in scores.items():
+        for scorer, values in by_scorer.items():
+            for stat, value in score_stats(values, positive_threshold(scorer)).items():
+                metrics[score_key(scorer, run, stat)] = value
+    for stat, value in spread_stats(stats["policy"]["kl"]).items():
+        metrics[f"kl.{stat}"] = value
+    for stat, value in spread_stats(stats["policy"]["kl_full"]).items():
+        metrics[f"kl.full_{stat}"] = value
+    for run, prefix in (("policy", ""), ("reference", "reference_")):
+        metrics[f"fluency.{prefix}ref_perplexity"] = perplexity(stats[run]["ref_nll"], stats[run]["n_tokens"])
+        for n in (1, 2):
+            metrics[f"diversity.{prefix}distinct{n}"] = distinct_n(response_ids[run], n)
+    return metrics
+
+
+@dataclass
+class Run:
+    """One model's responses to every eval prompt, batch by batch as generate() returned them."""
+
+    batches: list[Samples]
+    texts: list[str]
+
+    @property
+    def response_ids(self) -> list[list[int]]:
+        return [r[m].tolist() for s in self.batches for r, m in zip(s.responses, s.response_mask, strict=True)]
+
+
+def sample_run(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids: list[list[int]],
+               lengths: list[int], sampling: SamplingParams, batch_size: int, seed: int, desc: str) -> Run:
+    """Responses to every query through the training sampler; reseeding first gives every run the same draws."""
+    torch.manual_seed(seed)
+    batches, texts = [], []
+    for start in tqdm(range(0, len(query_ids), batch_size), desc=desc, unit="batch"):
+        end = start + batch_size
+        batches.append(generate(lm, tokenizer, query_ids[start:end], lengths[start:end], sampling))
+        texts += decode_responses(tokenizer, batches[-1])
+    return Run(batches, texts)
+
+
+def score_run(scorers: dict[str, Scorer], queries: list[str], responses: list[str], batch_size: int,
+              desc: str) -> dict[str, np.ndarray]:
+    """Every scorer's (B,) scores of query + response."""
+    chunks: dict[str, list[torch.Tensor]] = {name: [] for name in scorers}
+    for start in tqdm(range(0, len(queries), batch_size), desc=desc, unit="batch"):
+        end = start + batch_size
+        for name, scorer in scorers.items():
+            chunks[name].append(scorer(queries[start:end], responses[start:end]))
+    return {name: torch.cat(c).float().numpy() for name, c in chunks.items()}
+
+
+@torch.no_grad()
+def response_stats(run: Run, reference: PreTrainedModel, temperature: float,
+                   policy: PreTrainedModel | None = None) -> dict[str, np.ndarray]:
+    """Per response: the reference's NLL (``ref_nll``) and ``n_tokens``; given the policy that sampled the run, also
+    its sequence ``kl`` / ``kl_full`` against the reference.
+
+    The NLL is under the reference's own distribution (temperature 1), a fluency measure; the KL is between the two
+    models at the sampling temperature, the distributions the responses come from (as in training).
+    """
+    out: dict[str, list[torch.Tensor]] = {"ref_nll": [], "n_tokens": [], "kl": [], "kl_full": []}
+    for samples in run.batches:
+        mask = samples.response_mask
+        ref = forward(reference, samples, 1.0, keep_logits=policy is not None)
+        out["ref_nll"].append(-(ref.logprobs * mask).sum(1))
+        out["n_tokens"].append(mask.sum(1))
+        if policy is not None:
+            logits = forward(policy, samples, temperature, keep_logits=True).logits
+            kl, kl_full = sequence_kl(logits, ref.logits / temperature, samples.responses, mask)
+            out["kl"].append(kl)
+            out["kl_full"].append(kl_full)
+    return {k: torch.cat(v).float().cpu().numpy() for k, v in out.items() if v}
+
+
+def samples_table(queries: list[str], runs: dict[str, Run], scores: dict[str, dict[str, np.ndarray]],
+                  policy_stats: dict[str, np.ndarray]) -> pd.DataFrame:
+    """data/eval/samples.parquet: one row per prompt, every response and score before/after, the policy's KL."""
+    table: dict[str, object] = {"query": queries}
+    table |= {f"response_{SIDES[run]}": r.texts for run, r in runs.items()}
+    table |= {score_column(scorer, run): scores[run][scorer] for scorer in scores["policy"] for run in scores}
+    return pd.DataFrame(table | {"kl": policy_stats["kl"], "kl_full": policy_stats["kl_full"]})
+
+
+def evaluate_policy(policy: PreTrainedModel, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                    scorers: dict[str, Scorer], queries: list[str], query_ids: list[list[int]],
+                    params: Params) -> tuple[dict[str, float], pd.DataFrame]:
+    """Sample both models on the same prompts with the same lengths and seed, score, measure; (metrics, samples)."""
+    cfg, e = params.ppo, params.evaluate
+    lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
+                               torch.Generator().manual_seed(params.seed))
+    sampling = SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature)
+    modes = {"": sampling} | ({"_greedy": GREEDY} if e.greedy else {})
+    runs = {f"{name}{suffix}": sample_run(lm, tokenizer, query_ids, lengths, mode, e.batch_size, params.seed,
+                                          f"sample {name}{suffix}")
+            for suffix, mode in modes.items() for name, lm in (("reference", reference), ("policy", policy))}
+    scores = {run: score_run(scorers, queries, r.texts, e.batch_size, f"score {run}") for run, r in runs.items()}
+    stats = {"policy": response_stats(runs["policy"], reference, cfg.temperature, policy),
+             "reference": response_stats(runs["reference"], reference, cfg.temperature)}
+    metrics = eval_metrics(scores, stats, {run: runs[run].response_ids for run in stats})
+    return metrics, samples_table(queries, runs, scores, stats["policy"])
+
+
+def _cell(value: object) -> str:
+    """A Markdown table cell: one line, pipes escaped, floats to 3 decimals."""
+    if isinstance(value, float | np.floating):
+        return f"{value:.3f}"
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("\r", " ")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+
+
+def markdown_report(samples: pd.DataFrame, metrics: dict[str, float], scorers: Sequence[str], examples: int,
+                    context: str) -> str:
+    """Before (reference) vs after (policy): a summary per scorer, KL/fluency/diversity, and the classic notebook's
+    table of example queries with both responses and their rewards."""
+    runs = [run for run in SIDES if score_key(REWARD, run, "mean") in metrics]
+    header = ["score"] + [f"{stat} ({SIDES[run].replace('_', ' ')})" for stat in ("mean", "median", "positive")
+                          for run in runs]
+    rows = [[scorer] + [metrics[score_key(scorer, run, stat)] for stat in ("mean", "median", "positive_rate")
+                        for run in runs] for scorer in scorers]
+    lines = ["# Evaluation: before (reference) vs after (PPO policy)", "", context, "", "## Scores", ""]
+    lines += _table(header, rows)
+    lines += ["", "Positive: the share of responses scoring above 0 (a logit or a reward), or above 0.05 (VADER's "
+              "compound).", "", "## KL, fluency, diversity", ""]
+    lines += _table(["metric", "before", "after"], [
+        ["KL(policy ‖ reference), sampled: mean / median / p90", "", " / ".join(
+            f"{metrics[f'kl.{s}']:.3f}" for s in ("mean", "median", "p90"))],
+        ["KL(policy ‖ reference), exact: mean / median / p90", "", " / ".join(
+            f"{metrics[f'kl.full_{s}']:.3f}" for s in ("mean", "median", "p90"))],
+        ["reference model's perplexity of the responses", metrics["fluency.reference_ref_perplexity"],
+         metrics["fluency.ref_perplexity"]],
+        ["distinct-1", metrics["diversity.reference_distinct1"], metrics["diversity.distinct1"]],
+        ["distinct-2", metrics["diversity.reference_distinct2"], metrics["diversity.distinct2"]],
+    ])
+    lines += ["", f"## Examples (first {min(examples, len(samples))} of {len(samples)})", ""]
+    columns = ["query", "response_before", "response_after", "reward_before", "reward_after"]
+    lines += _table(["query", "response (before)", "response (after)", "reward (before)", "reward (after)"],
+                    samples[columns].head(examples).itertuples(index=False))
+    return "\n".join(lines) + "\n"

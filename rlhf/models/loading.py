@@ -1,0 +1,199 @@
+"""The one way every stage loads a tokenizer or a model: a Hub id or a local dir, safetensors, no remote code.
+
+Stage scripts never call ``from_pretrained`` themselves. ``what`` arguments name the params key the path came
+from, so a failure reads ``model.policy: ...`` and the user knows which line of params.yaml to fix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.activations import ACT2FN, NewGELUActivation
+
+from rlhf.pipeline.errors import ModelError
+from rlhf.pipeline.paths import SFT_DIR, is_local, unreachable_hub_id
+from rlhf.pipeline.schema import ModelParams, Params
+
+log = logging.getLogger(__name__)
+
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+FAST_GELU = "gelu_pytorch_tanh"
+
+
+def _load_kwargs(name: str, model: ModelParams) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"trust_remote_code": model.trust_remote_code}
+    if not is_local(name) and model.revision is not None:
+        kwargs["revision"] = model.revision
+    return kwargs
+
+
+def check_local_dir(name: str, what: str) -> None:
+    """A local path must be an existing folder with a config.json; anything else must be reachable on the Hub (one
+    request, no retries) or be in its cache."""
+    check_exists(name, what)
+    if is_local(name) and not (Path(name).expanduser() / "config.json").exists():
+        raise ModelError(f"{what}: {name}: not a model folder (no config.json)")
+
+
+def check_exists(name: str, what: str) -> None:
+    """A local folder that exists, or a Hub id that can be had (paths.is_local decides which ``name`` is)."""
+    if is_local(name):
+        if not Path(name).expanduser().is_dir():
+            raise ModelError(f"{what}: {name}: no such directory")
+    elif (reason := unreachable_hub_id(name, "model")) is not None:
+        raise ModelError(f"{what}: {name}: no such local path, and not reachable as a Hub id ({reason})")
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why a .safetensors file cannot be whole (None: its size is what its header describes): an 8-byte header
+    length, the JSON header, then the tensors, which end where the header's last data offset says."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, not even a header"
+        length = int.from_bytes(head, "little")
+        if 8 + length > size:
+            return f"{size} bytes, less than its {length}-byte header"
+        try:
+            header = json.loads(f.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                      default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return "unreadable header"
+    expected = 8 + length + end
+    return None if size == expected else f"{size} bytes, its header describes {expected}"
+
+
+def check_safetensors(name: str, what: str) -> None:
+    """A truncated or empty weights file of a local model fails here, naming the file, not deep inside the loader."""
+    if not is_local(name):
+        return
+    for file in sorted(Path(name).expanduser().glob("model*.safetensors")):
+        if (problem := safetensors_problem(file)) is not None:
+            raise ModelError(f"{what}: {file} is truncated or corrupt ({problem})")
+
+
+def check_weights_format(name: str, what: str, allow_pickle: bool) -> None:
+    """Refuse a local checkpoint that only has pickled weights unless model.allow_pickle is set."""
+    if not is_local(name):
+        return
+    path = Path(name).expanduser()
+    has_safe = any((path / f).exists() for f in SAFE_WEIGHTS)
+    has_pickle = any((path / f).exists() for f in PICKLED_WEIGHTS)
+    if not has_safe and has_pickle and not allow_pickle:
+        raise ModelError(
+            f"{what}: {name}: only pickled weights (pytorch_model.bin), which can run arbitrary code when loaded; "
+            "convert to safetensors or set model.allow_pickle: true to load them with weights_only=True"
+        )
+    if not has_safe and not has_pickle:
+        raise ModelError(f"{what}: {name}: no weights found (expected model.safetensors)")
+
+
+def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
+                   padding_side: str | None = "left") -> PreTrainedTokenizerBase:
+    """Load a tokenizer; give it a pad token (EOS, as the classic recipe does) when it has none.
+
+    ``padding_side`` defaults to left (generation); None keeps the tokenizer's own.
+    """
+    check_exists(name, what)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, **_load_kwargs(name, model))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{what}: cannot load a tokenizer from {name!r}: {str(e).splitlines()[0]}") from None
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"{what}: {name}: the tokenizer has neither a pad nor an EOS token")
+        log.info("tokenizer %s has no pad token; padding with EOS (id %d)", name, tokenizer.eos_token_id)
+        tokenizer.pad_token = tokenizer.eos_token
+    if padding_side is not None:
+        tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def fast_activations(model: PreTrainedModel) -> PreTrainedModel:
+    """Swap transformers' Python tanh-GELU (``gelu_new``: GPT-2's, five elementwise kernels and four temporaries)
+    for torch's fused kernel of the same formula (``gelu_pytorch_tanh``); the outputs agree to float rounding. The
+    config says so too, so a saved model reloads with the very kernel it was trained with. Returns ``model``."""
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, NewGELUActivation):
+                setattr(module, name, ACT2FN[FAST_GELU])
+    for key in ("activation_function", "hidden_act"):
+        if getattr(model.config, key, None) == "gelu_new":
+            setattr(model.config, key, FAST_GELU)
+    return model
+
+
+def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, **kwargs: Any) -> PreTrainedModel:
+    check_local_dir(name, what)
+    check_weights_format(name, what, model.allow_pickle)
+    check_safetensors(name, what)
+    try:
+        loaded = auto_cls.from_pretrained(
+            name, use_safetensors=None if model.allow_pickle else True, **_load_kwargs(name, model), **kwargs
+        )
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        raise ModelError(f"{what}: cannot load a model from {name!r}: {str(e).splitlines()[0]}") from None
+    return fast_activations(loaded)
+
+
+def load_config(name: str, model: ModelParams, what: str) -> PretrainedConfig:
+    """A model's config alone (what it is, how many outputs), to check it before loading its weights."""
+    check_local_dir(name, what)
+    try:
+        return AutoConfig.from_pretrained(name, **_load_kwargs(name, model))
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"{what}: cannot load a model config from {name!r}: {str(e).splitlines()[0]}") from None
+
+
+def load_causal_lm(name: str, model: ModelParams, what: str = "model.policy",
+                   dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Load a causal LM (policy, reference, SFT base)."""
+    return _from_pretrained(AutoModelForCausalLM, name, model, what, dtype=dtype)
+
+
+def load_sequence_classifier(name: str, model: ModelParams, what: str = "reward.model",
+                             **kwargs: Any) -> PreTrainedModel:
+    """Load a sequence classifier (sentiment scorer, reward model, judge); ``kwargs`` go to from_pretrained."""
+    return _from_pretrained(AutoModelForSequenceClassification, name, model, what, **kwargs)
+
+
+def check_vocab_match(tokenizer: PreTrainedTokenizerBase, lm: PreTrainedModel, what: str) -> None:
+    """A tokenizer whose ids run past the model's embedding table would index out of range mid-training."""
+    n_embed = lm.get_input_embeddings().num_embeddings
+    if len(tokenizer) > n_embed:
+        raise ModelError(
+            f"{what}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has only {n_embed} rows "
+            "(tokenizer and model do not belong together)"
+        )
+
+
+def initial_policy(params: Params) -> tuple[str, str, str]:
+    """(policy path, tokenizer path, params key) of the initial policy, which is also the frozen reference."""
+    if params.sft.enabled:
+        if not (SFT_DIR / "config.json").exists():
+            raise ModelError(f"sft.enabled is true but {SFT_DIR} holds no trained model (run the sft stage)")
+        return str(SFT_DIR), str(SFT_DIR), str(SFT_DIR)
+    return params.model.policy, params.tokenizer_path, "model.policy"
+
+
+def context_size(lm: PreTrainedModel) -> int:
+    """How many positions the model can attend over (GPT-2: n_positions; most others: max_position_embeddings)."""
+    config = lm.config
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 10**9

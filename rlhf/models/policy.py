@@ -1,0 +1,115 @@
+"""The PPO actor-critic: a causal LM plus a scalar value head, on the LM's own backbone or on a separate critic, or
+the LM alone for the critic-free estimators."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.pipeline.io import atomic_path
+from rlhf.train.precision import cuda_matmul_precision, full_precision, head_precision
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """PPO's ratio must be 1 for an unchanged model: dropout would make two forward passes disagree."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+class PolicyWithValueHead(nn.Module):
+    """``forward`` returns the response-slice logits (B, R, V) and values (B, R) of ``query_responses``.
+
+    ``value_model`` (ppo.critic): 'shared' puts the value head on the LM's backbone, 'separate' on a copy of it;
+    None builds no value head at all (no weights, no optimizer state) and ``forward`` returns values None.
+    Only the positions that predict response tokens go through the LM head: on a 50k vocabulary the head is most of
+    the compute, and the prompt positions' logits are never used.
+    """
+
+    def __init__(self, lm: PreTrainedModel, value_model: Literal["shared", "separate"] | None = "shared") -> None:
+        super().__init__()
+        self.lm = lm
+        self.critic = copy.deepcopy(lm.base_model) if value_model == "separate" else None
+        self.v_head = nn.Linear(lm.config.hidden_size, 1) if value_model is not None else None
+        if self.v_head is not None:
+            # a small head keeps the first value estimates near 0, where the whitened returns start
+            nn.init.normal_(self.v_head.weight, std=1.0 / (lm.config.hidden_size + 1) ** 0.5)
+            nn.init.zeros_(self.v_head.bias)
+
+    def forward(self, query_responses: torch.Tensor, attention_mask: torch.Tensor,
+                context_length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = backbone_hidden(self.lm.base_model, query_responses, attention_mask, context_length)
+        logits = lm_head(self.lm, hidden)
+        if self.v_head is None:
+            return logits, None
+        if self.critic is not None:
+            hidden = backbone_hidden(self.critic, query_responses, attention_mask, context_length)
+        with full_precision(hidden.device):
+            values = self.v_head(hidden.float()).squeeze(-1)
+        return logits, values
+
+    def save_value_head(self, folder: Path) -> None:
+        """``folder``/value_head.safetensors: the value head (and separate critic); nothing without a value head."""
+        if self.v_head is None:
+            return
+        state = {f"v_head.{k}": v for k, v in self.v_head.state_dict().items()}
+        if self.critic is not None:
+            state |= {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
+        save_file({k: v.contiguous() for k, v in state.items()}, folder / VALUE_HEAD_FILE)
+
+    def load_value_head(self, folder: Path) -> None:
+        state = load_file(folder / VALUE_HEAD_FILE)
+        self.v_head.load_state_dict({k.removeprefix("v_head."): v for k, v in state.items() if k.startswith("v_")})
+        if self.critic is not None:
+            self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in state.items()
+                                         if k.startswith("critic.")})
+
+
+def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """``folder``, replaced in one rename: the LM loadable by AutoModelForCausalLM, its tokenizer, and the value head
+    (if any) beside them."""
+    with atomic_path(folder) as tmp:
+        policy.lm.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        policy.save_value_head(tmp)
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Left padding must not shift positions: the first real token is position 0 in every row."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def backbone_hidden(backbone: nn.Module, query_responses: torch.Tensor, attention_mask: torch.Tensor,
+                    context_length: int) -> torch.Tensor:
+    """(B, P + R) -> (B, R, H): the hidden states at the positions that predict each response token."""
+    out = backbone(input_ids=query_responses, attention_mask=attention_mask,
+                   position_ids=position_ids_from(attention_mask), use_cache=False)
+    return out.last_hidden_state[:, context_length - 1: -1]
+
+
+def lm_head(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, R, H) -> (B, R, V) fp32 logits, even under bf16 autocast.
+
+    bf16 keeps 8 bits of mantissa: between 64 and 128 its steps are 0.5 apart, so rounding GPT-2's large logits
+    would move every log-prob by up to 0.25 nats, no small thing next to a PPO clip range of 0.2. The body may run
+    in bf16: the head's dot products average its rounding out, and what they share across tokens cancels in the
+    log-softmax. On CUDA under bf16 autocast the head's matmul runs in TF32 (``training.head_precision``): its
+    inputs keep 11 significant bits, 3 more than bf16, and the logits stay fp32 (BENCHMARKS.md, "bf16 tolerance").
+    """
+    device = hidden.device
+    with cuda_matmul_precision(head_precision(device)), full_precision(device):
+        return lm.get_output_embeddings()(hidden.float())
+
+
+def response_logits(lm: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor,
+                    context_length: int) -> torch.Tensor:
+    """(B, R, V) logits of a plain LM (the frozen reference) at the response positions."""
+    return lm_head(lm, backbone_hidden(lm.base_model, query_responses, attention_mask, context_length))

@@ -1,0 +1,72 @@
+"""How a stage script runs from the command line: ``--help`` from its record, and every way it can fail turned into one
+line and an exit status (a PipelineError, a full disk or GPU out-of-memory: 1; Ctrl-C: 130). Anything else is a bug
+and keeps its traceback."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+from rlhf.pipeline.errors import PipelineError, is_disk_full, is_out_of_memory
+from rlhf.pipeline.paths import checkpoints, output_path
+from rlhf.pipeline.registry import Stage, stage
+from rlhf.pipeline.schema import Params
+from rlhf.pipeline.sections import describe_params
+
+
+def stage_help(record: Stage, doc: str) -> str:
+    """``--help``: the script's docstring (what it reads and writes) and the params the stage reads, each with its
+    doc."""
+    lines = [describe_params(Params, entry) for entry in record.params]
+    params = "\n".join(textwrap.fill(text, 119, initial_indent=f"  {entry:<28}", subsequent_indent=" " * 30)
+                       for entry, text in zip(record.params, lines, strict=True))
+    return (f"usage: python -m {record.module} [-h]\n\n{doc.strip()}\n\n"
+            f"Params  (params.yaml; dvc.yaml lists the same)\n{params}\n")
+
+
+def interrupted_message(record: Stage | None, step: int | None) -> str:
+    """``interrupted at step N; checkpoint <folder> kept; rerun to resume``, or ``...; nothing written`` (a stage
+    writes its outputs only when it completes); plain ``interrupted`` for a tool that is no stage."""
+    if record is None:
+        return "interrupted"
+    where = "" if step is None else f" at step {step}"
+    kept = checkpoints(record.checkpoints)
+    return f"interrupted{where}; " + (f"checkpoint {kept[-1]} kept; rerun to resume" if kept else "nothing written")
+
+
+def one_line(error: Exception, record: Stage | None) -> str | None:
+    """What to tell the user about ``error``; None for a bug, which keeps its traceback. A full disk not met inside
+    a writer that names its output (io.atomic_path) names the file the OS reported, if any."""
+    if isinstance(error, PipelineError):
+        return str(error)
+    if is_disk_full(error):
+        filename = getattr(error, "filename", None)
+        return (f"disk full writing {output_path(Path(filename))}" if filename
+                else f"disk full ({str(error).splitlines()[0]})")
+    if is_out_of_memory(error) and record is not None and record.out_of_memory:
+        return f"out of GPU memory in {record.name}: {record.out_of_memory}"
+    return None
+
+
+def run_stage(main: Callable[[], None]) -> None:
+    """Run the ``main`` of a stage script (its module holds the ``STAGE`` record) or of a tool, failures as one
+    line."""
+    module = sys.modules[main.__module__]
+    name = module.__spec__.name if module.__spec__ else module.__name__
+    record = stage(name.removeprefix("stages.")) if name.startswith("stages.") else None
+    if record is not None and {"-h", "--help"} & set(sys.argv[1:]):
+        print(stage_help(record, module.__doc__ or ""), end="")
+        raise SystemExit(0)
+    try:
+        main()
+    except KeyboardInterrupt as e:
+        print(interrupted_message(record, getattr(e, "step", None)), file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as e:
+        message = one_line(e, record)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -1,0 +1,65 @@
+"""The pipeline's exception types: one for everything a user can get wrong (stated in one line), and the predicates
+that recognise the errors the OS or torch raise for a full disk or GPU out-of-memory (rlhf/pipeline/cli.py turns them
+into one-line exits)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import sys
+from collections.abc import Callable, Iterator
+
+
+class PipelineError(Exception):
+    """Bad input (params, data files, model paths) or a numerical fault, stated in one line that names the culprit."""
+
+
+class ParamsError(PipelineError):
+    """A params.yaml key is unknown, of the wrong type, or has an impossible value."""
+
+
+class DataError(PipelineError):
+    """A data file is missing, unreadable or has the wrong schema or content."""
+
+
+class ModelError(PipelineError):
+    """A model or tokenizer path/id cannot be loaded or does not fit the pipeline."""
+
+
+class TrainingError(PipelineError):
+    """A numerical fault during training (NaN/inf score, loss or gradient)."""
+
+
+class DiskFull(PipelineError):
+    """A write failed for want of disk space (or quota); the message names the output being written."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C inside a training loop, carrying the step it was on."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+@contextlib.contextmanager
+def interrupted_at(step: Callable[[], int]) -> Iterator[None]:
+    """Ctrl-C inside a training loop becomes ``Interrupted(step())``, the step the loop was on."""
+    try:
+        yield
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(step()) from None
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC/EDQUOT as an OSError, or as the text of a writer that wraps it (safetensors' Rust I/O error)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(text in str(error) for text in ("No space left on device", "Disk quota exceeded"))
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # a stage that never imported torch cannot have run out of GPU memory
+    return torch is not None and isinstance(error, torch.OutOfMemoryError)

@@ -1,0 +1,214 @@
+"""Writing outputs so that a stage either completes and replaces all of them, or fails and leaves every previous one
+as it was; and seeding.
+
+- ``StagedOutputs``: a stage declares its outputs (its record's outputs) up front; their folders are checked for
+  writability before anything loads; everything is written under staging siblings and moved into place together when
+  the stage's block completes. A failure (an error, Ctrl-C, a full disk) deletes the staging and touches no output.
+- ``atomic_path``: one file or folder written to a temporary sibling and renamed into place, with the user's umask,
+  a full disk reported as ``disk full writing <output>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from rlhf.pipeline.errors import DiskFull, PipelineError, is_disk_full
+from rlhf.pipeline.paths import output_path, staging_path
+
+UMASK = os.umask(0o022)
+os.umask(UMASK)
+REPLACED = ".replaced"  # suffix of a previous output moved aside while the new ones move in
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python, NumPy and torch (all devices); return a CPU generator for the stage's own draws."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+@contextlib.contextmanager
+def naming_disk_full(path: Path | str) -> Iterator[None]:
+    """A full disk inside the block becomes ``DiskFull("disk full writing <path>")`` (the output's own name, not its
+    staging one); other errors pass unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if is_disk_full(e) and not isinstance(e, PipelineError):
+            raise DiskFull(f"disk full writing {output_path(Path(path))}") from None
+        raise
+
+
+def apply_umask(path: Path) -> None:
+    """Give ``path`` (and everything below) the modes the user's umask gives a new file or folder: some writers
+    create files 0600 (transformers writes model.safetensors through a private temporary file)."""
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~UMASK)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path | str) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` (file or folder) and move it into place only if the block succeeds.
+
+    An existing ``path`` is replaced in one rename for files; for folders the old one is removed just before the move.
+    On error the temporary is deleted and ``path`` keeps its previous content.
+    """
+    path = Path(path)
+    with naming_disk_full(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        target = tmp / path.name
+        try:
+            yield target
+            apply_umask(target)
+            if target.is_dir() and path.exists():
+                remove(path)
+            os.replace(target, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_parquet(table: pa.Table, path: Path | str) -> None:
+    """Write a Parquet file atomically."""
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def write_json(obj: Any, path: Path | str) -> None:
+    """Write pretty JSON atomically (DVC metrics files are read by people too)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_text(text: str, path: Path | str) -> None:
+    """Write a text file atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def remove(path: Path) -> None:
+    """Delete a file, a link or a folder, if there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def check_free_space(folder: Path, needed: int, culprit: str, what: str, hint: str = "") -> None:
+    """Stop naming ``culprit`` when ``folder``'s disk has less than ``needed`` bytes free for ``what``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise PipelineError(f"{culprit}: {folder} has {free / 2**20:.0f} MiB free, {what} about "
+                            f"{needed / 2**20:.0f} MiB{hint}")
+
+
+def check_writable(folder: Path, output: Path) -> None:
+    """Create and delete a file in ``folder`` (what os.access cannot tell for root, a read-only mount or an
+    immutable folder)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PipelineError(f"{output}: cannot write in {folder}/ ({e.strerror}); nothing was run") from None
+
+
+def replaced_path(output: Path) -> Path:
+    """Where a previous output waits while the new ones move in."""
+    return output.parent / f".{output.name}{REPLACED}"
+
+
+class StagedOutputs:
+    """A stage's outputs, written under ``paths.staging_path`` siblings and moved into place together on success.
+
+    Entering checks that every output's folder is writable and clears what a killed run left behind.
+    ``outputs[path]`` is where to write ``path`` (an output or a file inside one). Leaving the block normally replaces
+    every output by its staged version (an output not written is removed); leaving it by an exception (Ctrl-C
+    included) deletes the staging and touches nothing.
+    """
+
+    def __init__(self, outputs: Iterable[Path]) -> None:
+        self.outputs = [Path(p) for p in outputs]
+
+    def __getitem__(self, path: Path) -> Path:
+        """Where to write ``path``: one of the outputs, or a file inside an output folder."""
+        for output in self.outputs:
+            if path == output or output in path.parents:
+                return staging_path(output) / path.relative_to(output)
+        raise KeyError(f"{path} is not one of this stage's outputs")
+
+    def __enter__(self) -> StagedOutputs:
+        for output in self.outputs:
+            check_writable(output.parent, output)
+        for output in self.outputs:
+            backup = replaced_path(output)
+            if os.path.lexists(backup) and not os.path.lexists(output):
+                os.replace(backup, output)  # a kill in the middle of the final moves: the previous output returns
+            remove(backup)
+            remove(staging_path(output))
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if exc_type is None:
+            try:
+                self.commit()
+            except BaseException:
+                self.discard()
+                raise
+        else:
+            self.discard()
+
+    def discard(self) -> None:
+        """Delete the staging: the previous outputs stay as they were."""
+        for output in self.outputs:
+            remove(staging_path(output))
+
+    def check_free_space(self, output: Path, needed: int) -> None:
+        """Stop when ``output``'s disk cannot hold ``needed`` more bytes (the previous output stays until the end)."""
+        check_free_space(output.parent, needed, str(output), "the new output needs",
+                         " (the previous one is replaced only when the stage completes)")
+
+    def commit(self) -> None:
+        """Move every previous output aside, every staged one in, then delete the previous ones; on any failure
+        before the end, put everything back as it was."""
+        moved: list[tuple[Path, Path]] = []
+        try:
+            for output in self.outputs:
+                backup = replaced_path(output)
+                if os.path.lexists(output):
+                    os.replace(output, backup)
+                moved.append((output, backup))
+            for output in self.outputs:
+                if os.path.lexists(staging_path(output)):
+                    os.replace(staging_path(output), output)
+        except BaseException:
+            for output, backup in reversed(moved):
+                remove(output)
+                if os.path.lexists(backup):
+                    os.replace(backup, output)
+            raise
+        # the stage is complete: from here on only the standard library runs, and nothing may fail it
+        for _, backup in moved:
+            if backup.is_dir() and not backup.is_symlink():
+                shutil.rmtree(backup, ignore_errors=True)
+            elif os.path.lexists(backup):
+                with contextlib.suppress(OSError):
+                    backup.unlink()

@@ -1,0 +1,101 @@
+"""Every file and folder the stages read or write, spelled once, and the one rule for "is this a local path?".
+
+Paths are relative to the project root, where DVC runs the stages; dvc.yaml names the same ones
+(tests/test_layout.py checks that it names no other).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+RAW = Path("data/raw")  # local inputs DVC watches (prepare and sft list it as a dependency)
+PROMPTS_DIR = Path("data/prompts")
+TRAIN_PROMPTS = PROMPTS_DIR / "train.parquet"
+EVAL_PROMPTS = PROMPTS_DIR / "eval.parquet"
+PAIRS_DIR = Path("data/pairs")
+TRAIN_PAIRS = PAIRS_DIR / "train.parquet"
+TEST_PAIRS = PAIRS_DIR / "test.parquet"
+ROLLOUTS_DIR = Path("data/rollouts")
+EVAL_DIR = Path("data/eval")
+EVAL_SAMPLES = EVAL_DIR / "samples.parquet"
+CHECKPOINTS_DIR = Path("data/checkpoints")  # not a DVC output: DVC deletes outputs before rerunning a stage
+CHECKPOINT_PREFIX = "step-"  # CHECKPOINTS_DIR/<stage>/step-NNNNNN: one checkpoint (rlhf/train/checkpoint.py)
+
+SFT_DIR = Path("models/sft")
+REWARD_DIR = Path("models/reward")
+POLICY_DIR = Path("models/policy")
+
+PREPARE_METRICS = Path("metrics/prepare.json")
+SFT_METRICS = Path("metrics/sft.json")
+SFT_LOSS = Path("metrics/sft/loss.csv")
+REWARD_METRICS = Path("metrics/reward.json")
+REWARD_SCORES = Path("metrics/reward/scores.csv")
+PPO_METRICS = Path("metrics/ppo.json")
+PPO_CURVES = Path("metrics/ppo")  # DVCLive's folder
+EVAL_METRICS = Path("metrics/eval.json")
+EVAL_REPORT_DIR = Path("metrics/evaluate")
+EVAL_REPORT = EVAL_REPORT_DIR / "report.md"
+EVAL_HISTOGRAM = EVAL_REPORT_DIR / "score_histogram.csv"
+
+STAGED = ".staged"
+
+
+def staging_path(output: Path) -> Path:
+    """Where a stage writes ``output`` until it completes: a hidden sibling (``models/.policy.staged``), on the same
+    file system, so that moving it into place is a rename."""
+    return output.parent / f".{output.name}{STAGED}"
+
+
+def output_path(path: Path) -> Path:
+    """The output a (possibly staged) path stands for, as the user knows it: every ``.<name>.staged`` component
+    read as ``<name>`` (``data/.rollouts.staged/steps-0-9.parquet`` -> ``data/rollouts/steps-0-9.parquet``)."""
+    return Path(*(part[1:-len(STAGED)] if part.startswith(".") and part.endswith(STAGED) else part
+                  for part in path.parts))
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in ``folder``, oldest first (temporaries start with a dot and are never listed)."""
+    return sorted(folder.glob(f"{CHECKPOINT_PREFIX}[0-9]*")) if folder.is_dir() else []
+
+
+LOCAL_SUFFIXES = (".parquet", ".csv", ".jsonl")
+
+
+def is_local(value: str) -> bool:
+    """Whether a model or data value names a local path rather than a Hub id.
+
+    An existing path is local; so is a value only a path can look like: starting with '.', '/' or '~', holding more
+    than one '/', or ending in a table suffix (.parquet, .csv, .jsonl). Anything else ('gpt2', 'org/name') is a Hub
+    id, which cannot be checked offline.
+    """
+    return (Path(value).expanduser().exists() or value.startswith((".", "/", "~")) or value.count("/") > 1
+            or Path(value).suffix.lower() in LOCAL_SUFFIXES)
+
+
+@functools.cache
+def unreachable_hub_id(value: str, repo_type: str) -> str | None:
+    """Why ``value`` (not a local path) cannot be had from the Hub as a ``repo_type`` ('model', 'dataset'); None when
+    it can, or when it is in the local Hub cache (the loader then decides).
+
+    One request and no retries: the loaders' own client retries an unreachable host for half a minute before saying
+    so. An answer other than "no such repository" or "cannot connect" (a gated repo, a rate limit) is left to the
+    loader to report.
+    """
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.file_download import repo_folder_name
+
+    try:
+        if (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=value, repo_type=repo_type)).is_dir():
+            return None
+        if constants.HF_HUB_OFFLINE:
+            return "HF_HUB_OFFLINE is set and it is not in the Hub cache"
+        HfApi().repo_info(value, repo_type=repo_type, timeout=10)
+    except (RepositoryNotFoundError, HFValidationError) as e:
+        return str(e).splitlines()[0]
+    except HfHubHTTPError:
+        return None
+    except Exception as e:  # offline mode, DNS, refused or timed-out connections: each its own type
+        return f"cannot reach the Hub: {str(e).splitlines()[0]}"
+    return None

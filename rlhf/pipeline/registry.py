@@ -1,0 +1,121 @@
+"""What a pipeline stage is, declared once per stage in its own script (``STAGE = Stage(...)`` in stages/<name>.py).
+
+A stage's name is its script's name. Its record says which params it reads, which files it reads besides its code,
+what it writes (and how DVC keeps each output), and what to lower when it runs out of GPU memory. Everything else
+follows from the record: dvc.yaml's stages (``python -m tools.dvc_yaml`` writes them, a test checks they are current),
+the code a stage depends on (the modules its script imports, found by reading the imports), ``--help``, the staged
+outputs, the one-line errors, the checkpoint folder and the checkpoint fingerprints.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rlhf.pipeline.paths import CHECKPOINTS_DIR
+
+ROOT = Path(__file__).resolve().parents[2]  # the project: stages/ and rlhf/ live here
+CODE_PACKAGES = ("rlhf", "stages")  # the project's own code, the part of a stage's code DVC watches
+
+
+@dataclass(frozen=True)
+class Output:
+    """One file or folder a stage writes. ``kind``: dvc.yaml's outs, metrics or plots; ``cache: False`` for small
+    files kept in git (metrics, curves); ``plot``: the plot's x/y keys for a stage plot."""
+
+    path: Path
+    kind: Literal["outs", "metrics", "plots"] = "outs"
+    cache: bool = True
+    plot: dict[str, str] = field(default_factory=dict)
+    comment: str = ""  # why, for dvc.yaml's reader
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A DVC stage: the params it reads (dotted keys, or a section for all of its keys), the files it reads besides
+    its code, its outputs, and the advice printed when it runs out of GPU memory."""
+
+    params: tuple[str, ...]
+    inputs: tuple[Path, ...]
+    outputs: tuple[Output, ...]
+    out_of_memory: str | None = None
+    name: str = ""  # the script's name; filled in by ``stage``
+
+    @property
+    def module(self) -> str:
+        return f"stages.{self.name}"
+
+    @property
+    def output_paths(self) -> tuple[Path, ...]:
+        """Every output, replaced together when the stage completes (rlhf/pipeline/io.py's StagedOutputs)."""
+        return tuple(output.path for output in self.outputs)
+
+    @property
+    def checkpoints(self) -> Path:
+        """Where its resumable checkpoints live (outside DVC's outputs: DVC deletes those before a rerun)."""
+        return CHECKPOINTS_DIR / self.name
+
+    @property
+    def code(self) -> list[str]:
+        """The project's modules the stage runs, as files relative to the project root, its script first."""
+        script = f"stages/{self.name}.py"
+        return [script, *sorted(imported_files(ROOT / script) - {script})]
+
+
+def stage_names() -> list[str]:
+    """Every script in stages/, in pipeline order: a stage comes after the stages whose outputs it reads."""
+    names = sorted(path.stem for path in (ROOT / "stages").glob("*.py") if not path.stem.startswith("_"))
+    producer = {output: name for name in names for output in stage(name).output_paths}
+    after = {name: {producer[p] for p in stage(name).inputs if p in producer} for name in names}
+    ordered: list[str] = []
+    while len(ordered) < len(names):
+        ordered.append(next(name for name in names if name not in ordered and after[name] <= set(ordered)))
+    return ordered
+
+
+@functools.cache
+def stage(name: str) -> Stage:
+    """The record of stage ``name`` (imports its script); KeyError for a name that is no stage."""
+    if not (ROOT / "stages" / f"{name}.py").is_file() or name.startswith("_"):
+        raise KeyError(f"{name!r} is not a pipeline stage")
+    module = sys.modules.get("__main__")
+    if getattr(getattr(module, "__spec__", None), "name", None) != f"stages.{name}":
+        module = importlib.import_module(f"stages.{name}")
+    record: Stage = module.STAGE
+    return Stage(record.params, record.inputs, record.outputs, record.out_of_memory, name)
+
+
+def _imports(path: Path) -> set[str]:
+    """Dotted names ``path`` may import, in every form (``import a.b``, ``from a.b import c`` where ``c`` may be a
+    module or a name, relative imports, imports inside functions)."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = [*package[: len(package) - node.level + 1]] if node.level else []
+            module = ".".join(parts + (node.module.split(".") if node.module else []))
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def imported_files(script: Path) -> set[str]:
+    """The project's module files ``script`` imports, directly or through other project modules (package
+    ``__init__`` files are empty and left out)."""
+    seen: set[str] = set()
+    todo = [script]
+    while todo:
+        for name in _imports(todo.pop()):
+            path = ROOT / (name.replace(".", "/") + ".py")
+            if name.split(".")[0] in CODE_PACKAGES and path.is_file():
+                relative = path.relative_to(ROOT).as_posix()
+                if relative not in seen:
+                    seen.add(relative)
+                    todo.append(path)
+    return seen

@@ -1,0 +1,43 @@
+"""The advantage estimators of ``ppo.advantage_estimator``, one record each: read by the params validation, by the
+list of keys an estimator leaves unused, and by the dispatch (``rlhf.rl.advantages.estimate_advantages`` calls
+the estimator's function, ``<name>_advantages`` in rlhf/rl/advantages.py).
+
+Pure data with no torch: the params validation of every stage reads it, and a stage's code deps are what it imports,
+so the math stays out of prepare's and sft's deps. Adding an estimator: its function in rlhf/rl/advantages.py, its
+record here, its test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CRITIC_KEYS = ("value_model", "vf_coef", "cliprange_value")  # the ppo.* keys only a value head reads
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """``trains_critic``: learns a value head (GAE); ``min_samples_per_prompt``: the k its baseline needs (the
+    prompt's other samples); ``kl_loss``: accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``ignores``: the
+    ppo.* keys it leaves unused besides the critic's."""
+
+    trains_critic: bool
+    min_samples_per_prompt: int = 1
+    kl_loss: bool = False
+    ignores: tuple[str, ...] = ()
+
+    @property
+    def unused_keys(self) -> tuple[str, ...]:
+        return (() if self.trains_critic else CRITIC_KEYS) + self.ignores
+
+
+ESTIMATORS = {
+    # PPO's value head and GAE (Schulman et al. 2016)
+    "gae": Estimator(trains_critic=True),
+    # leave-one-out baseline over each prompt's k samples (Ahmadian et al. 2024)
+    "rloo": Estimator(trains_critic=False, min_samples_per_prompt=2, ignores=("gamma", "lam", "whiten_rewards")),
+    # reward normalised within each prompt's k samples, optional KL loss term (Shao et al. 2024)
+    "grpo": Estimator(trains_critic=False, min_samples_per_prompt=2, kl_loss=True,
+                      ignores=("gamma", "lam", "whiten_rewards")),
+    # discounted returns whitened over the batch (Hu 2025)
+    "reinforce_pp": Estimator(trains_critic=False, ignores=("lam", "whiten_rewards")),
+}

@@ -1,0 +1,86 @@
+"""Checkpoints of a PPO run: what identifies the run, what a checkpoint holds, finding and restoring one.
+
+The ppo stage saves one every ``ppo.checkpoint_every`` steps, right after a rollout-log flush, so the copies of the
+staged rollout log and curves it keeps match the trainer's state (the format is in rlhf/train/checkpoint.py); a
+resumed run puts them back into the staging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlhf.models.loading import initial_policy
+from rlhf.models.policy import PolicyWithValueHead
+from rlhf.models.scorers import reward_model_path
+from rlhf.pipeline.paths import PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS, staging_path
+from rlhf.pipeline.registry import stage
+from rlhf.pipeline.schema import Params
+from rlhf.rl.trainer import PPOTrainer
+from rlhf.train import checkpoint
+from rlhf.train.batches import Batches
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+
+def run_fingerprint(params: Params, processes: int) -> str:
+    """What determines a PPO run: the params the stage reads, its input files, the number of processes."""
+    # nan_policy is left out: a run under "stop" has met no NaN before its last checkpoint, so after a NaN stop,
+    # switching to "skip" resumes from that checkpoint instead of step 0
+    policy, tokenizer, _ = initial_policy(params)
+    return checkpoint.fingerprint("ppo", params, [TRAIN_PROMPTS, policy, tokenizer, reward_model_path(params)[0]],
+                                  exclude=("ppo.nan_policy",), extra={"processes": processes})
+
+
+@dataclass
+class Checkpointing:
+    """Where the ppo stage checkpoints, the run's fingerprint, and the staged outputs a checkpoint keeps copies of."""
+
+    fingerprint: str
+    folder: Path = dataclasses.field(default_factory=lambda: stage("ppo").checkpoints)
+    files: dict[str, Path] = dataclasses.field(default_factory=lambda: {"rollouts": staging_path(ROLLOUTS_DIR),
+                                                                        "curves": staging_path(PPO_CURVES)})
+
+    def save(self, step: int, trainer: PPOTrainer, order: Batches, live_step: int, last: dict[str, float],
+             accelerator: Accelerator) -> None:
+        """Every process contributes its RNG states; the main process writes."""
+        from accelerate.utils import gather_object
+
+        rng = [checkpoint.rng_states({"length": trainer.length_generator})]
+        if accelerator.num_processes > 1:
+            rng = gather_object(rng)
+        if not accelerator.is_main_process:
+            return
+        state = trainer.state_dict()
+        optimizer_state = state.pop("optimizer")
+        checkpoint.save(self.folder, step, trainer.policy, optimizer_state,
+                        {"fingerprint": self.fingerprint, "trainer": state, "data": order.state_dict(), "rng": rng,
+                         "live_step": live_step, "last_stats": last}, self.files)
+
+    def restore(self, found: checkpoint.Checkpoint, trainer: PPOTrainer, order: Batches,
+                accelerator: Accelerator) -> None:
+        if accelerator.is_main_process:
+            checkpoint.restore_files(found, self.files)
+        checkpoint.load_weights(found, trainer.policy)
+        trainer.load_state_dict({**found.state["trainer"], "optimizer": checkpoint.load_optimizer_state(found)})
+        order.load_state_dict(found.state["data"])
+        checkpoint.set_rng_states(found.state["rng"][accelerator.process_index], {"length": trainer.length_generator})
+
+
+def find_checkpoint(params: Params, policy: PolicyWithValueHead,
+                    accelerator: Accelerator) -> tuple[Checkpointing | None, checkpoint.Checkpoint | None]:
+    """The run's checkpointing (None when ppo.checkpoint_every is 0) and the checkpoint to resume from, if any."""
+    if not params.ppo.checkpoint_every:
+        return None, None
+    ckpt = Checkpointing(run_fingerprint(params, accelerator.num_processes))
+    if accelerator.is_main_process:
+        checkpoint.check_free_space(ckpt.folder, checkpoint.checkpoint_bytes(policy), "ppo.checkpoint_every")
+        found = checkpoint.find(ckpt.folder, ckpt.fingerprint, prune=True)
+    accelerator.wait_for_everyone()  # the main process has pruned other runs' checkpoints
+    if not accelerator.is_main_process:
+        found = checkpoint.find(ckpt.folder, ckpt.fingerprint, prune=False)
+    return ckpt, found

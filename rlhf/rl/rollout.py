@@ -1,0 +1,102 @@
+"""Sampling responses and scoring them with the policy and the reference: the experience PPO learns from.
+
+Layout of a batch: queries left-padded to P tokens, responses right-padded to R, so the response tokens of every row
+are the contiguous slice ``query_responses[:, P:]`` and ``response_mask`` (B, R) marks the real ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.models.decoding import SamplingParams, decode
+from rlhf.models.logprobs import logprobs_and_entropy
+from rlhf.models.policy import PolicyWithValueHead, response_logits
+
+
+@dataclass
+class Samples:
+    """Sampled responses for a batch of queries."""
+
+    query_responses: torch.Tensor  # (B, P + R) token ids
+    attention_mask: torch.Tensor  # (B, P + R) 1 on real query and response tokens
+    context_length: int  # P
+    response_mask: torch.Tensor  # (B, R) bool: real response tokens (up to the sampled length, EOS included)
+    has_eos: torch.Tensor  # (B,) bool: the response ended with EOS before its length ran out
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.query_responses[:, self.context_length:]
+
+
+def response_lengths(n: int, min_tokens: int, max_tokens: int, generator: torch.Generator) -> list[int]:
+    """Per-sample response lengths, uniform in [min_tokens, max_tokens] (the classic recipe's LengthSampler)."""
+    return torch.randint(min_tokens, max_tokens + 1, (n,), generator=generator).tolist()
+
+
+def left_pad(query_ids: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(map(len, query_ids))
+    ids = torch.full((len(query_ids), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(query_ids), P), dtype=torch.long)
+    for i, q in enumerate(query_ids):
+        ids[i, P - len(q):] = torch.tensor(q)
+        mask[i, P - len(q):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def generate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids: list[list[int]],
+             lengths: list[int], sampling: SamplingParams, cuda_graph: bool = True) -> Samples:
+    """Sample all responses in one batched decoding loop (``decoding.decode``), up to the longest length, then cut
+    each row. ``cuda_graph``: on CUDA, replay the decoding step as a CUDA graph (no effect elsewhere).
+
+    A row that samples EOS stops there: the EOS token stays in the response (its choice is part of the action) and
+    what follows is masked.
+    """
+    was_training = lm.training
+    lm.eval()
+    queries, query_mask = left_pad(query_ids, tokenizer.pad_token_id, lm.device)
+    P, R = queries.shape[1], max(lengths)
+    responses = decode(lm, queries, query_mask, R, sampling, cuda_graph)
+    lm.train(was_training)
+    length_mask = torch.arange(R, device=lm.device) < torch.tensor(lengths, device=lm.device)[:, None]
+    is_eos = (responses == tokenizer.eos_token_id) & length_mask
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+    response_mask = length_mask & ~after_eos
+    responses = responses.masked_fill(~response_mask, tokenizer.pad_token_id)
+    query_responses = torch.cat([queries, responses], dim=1)
+    attention_mask = torch.cat([query_mask, response_mask.long()], dim=1)
+    return Samples(query_responses, attention_mask, P, response_mask, is_eos.any(-1))
+
+
+def decode_responses(tokenizer: PreTrainedTokenizerBase, samples: Samples) -> list[str]:
+    return [tokenizer.decode(r[m], skip_special_tokens=True)
+            for r, m in zip(samples.responses, samples.response_mask, strict=True)]
+
+
+@dataclass
+class ForwardOutput:
+    logprobs: torch.Tensor  # (B, R)
+    values: torch.Tensor | None  # (B, R), policy only
+    entropy: torch.Tensor  # (B, R)
+    logits: torch.Tensor | None  # (B, R, V), only when asked for (exact KL)
+
+
+def forward(model: PolicyWithValueHead | PreTrainedModel, samples: Samples, temperature: float,
+            keep_logits: bool = False) -> ForwardOutput:
+    """Log-probs of the sampled response tokens (and values for the policy) at temperature ``temperature``.
+
+    The same function serves the rollout (no grad) and the PPO update (with grad), so for an unchanged model the
+    update's first ratio is exactly 1.
+    """
+    args = (samples.query_responses, samples.attention_mask, samples.context_length)
+    if isinstance(model, PreTrainedModel):
+        logits, values = response_logits(model, *args), None
+    else:
+        logits, values = model(*args)
+    if temperature != 1.0:  # a (B, R, V) copy otherwise
+        logits = logits / temperature
+    logprobs, entropy = logprobs_and_entropy(logits, samples.responses)
+    return ForwardOutput(logprobs, values, entropy, logits if keep_logits else None)

@@ -1,0 +1,223 @@
+"""Resumable training checkpoints, kept outside DVC's outputs so that rerunning a killed stage resumes it.
+
+DVC deletes a stage's outputs before it runs, so checkpoints live in ``data/checkpoints/<stage>/`` (git-ignored, not a
+DVC output). Each is a folder ``step-NNNNNN`` written to a temporary sibling and renamed into place (io.atomic_path),
+so a kill at any moment leaves the previous checkpoint or the new one, never half of one. Its ``state.json`` carries a
+fingerprint of everything that determines the run (params, input files, code, library versions, process count); a
+checkpoint with another fingerprint belongs to another run and is removed. A completed run deletes its checkpoints.
+
+Layout of a checkpoint:
+    model.safetensors   every weight of the trained module (policy, and value head and critic where trained)
+    optimizer.pt        the optimizer's state (torch.save; loaded with weights_only=True)
+    state.json          step, fingerprint, the trainer's scalars, every RNG state (tensors as base64)
+    files/<name>/       copies of the staged outputs written so far (rollout log chunks, curves), restored on resume
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import pickle
+import random
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+
+from rlhf.pipeline.errors import PipelineError
+from rlhf.pipeline.io import atomic_path, check_writable
+from rlhf.pipeline.io import check_free_space as io_check_free_space
+from rlhf.pipeline.params import stage_params
+from rlhf.pipeline.paths import CHECKPOINT_PREFIX, checkpoints
+from rlhf.pipeline.registry import ROOT, stage
+from rlhf.pipeline.schema import Params
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+WEIGHTS_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+FILES_DIR = "files"
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq: an AdamW checkpoint holds each weight three times
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int  # the last completed step
+    state: dict[str, Any]
+
+
+# --- fingerprint -----------------------------------------------------------------------------------------------------
+
+
+def _ignored(path: Path) -> bool:
+    """Bytecode caches and hidden files change without the inputs changing."""
+    return "__pycache__" in path.parts or path.name.startswith(".")
+
+
+def hash_paths(paths: Iterable[Path | str]) -> str:
+    """sha256 over the names and bytes of the files (folders: every file below, in sorted order)."""
+    digest = hashlib.sha256()
+    for path in map(Path, paths):
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not _ignored(p)) if path.is_dir() else [path]
+        for file in files:
+            digest.update(str(file.relative_to(path) if path.is_dir() else file).encode())
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):  # noqa: B023 (f is bound for this loop only)
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint(name: str, params: Params, paths: Iterable[Path | str], exclude: Iterable[str] = (),
+                extra: dict[str, Any] | None = None) -> str:
+    """What determines a run of stage ``name``: the params it reads (but ``exclude``) and ``extra``, the content of the
+    existing ``paths`` (inputs; Hub ids are not paths and are pinned by the params), the code the stage runs and the
+    library versions. A code change restarts a run: a checkpoint of other code could not be continued to the same
+    result."""
+    import transformers
+
+    config = stage_params(params, name, exclude) | (extra or {})
+    config |= {"torch": torch.__version__, "transformers": transformers.__version__}
+    text = json.dumps(config, sort_keys=True, default=str)
+    inputs = sorted({Path(p) for p in paths if Path(p).exists()})
+    code = hashlib.sha256(b"".join(file.encode() + (ROOT / file).read_bytes() for file in stage(name).code))
+    return hashlib.sha256(f"{text}\n{hash_paths(inputs)}\n{code.hexdigest()}".encode()).hexdigest()[:16]
+
+
+# --- RNG states ------------------------------------------------------------------------------------------------------
+
+
+def _encode(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode()
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def rng_states(generators: dict[str, torch.Generator]) -> dict[str, Any]:
+    """Python, NumPy, torch (CPU and every CUDA device) and the named generators' states, JSON-ready."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(mt), gauss],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "torch": _encode(torch.get_rng_state()),
+        "cuda": [_encode(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        "generators": {name: _encode(g.get_state()) for name, g in generators.items()},
+    }
+
+
+def set_rng_states(states: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
+    version, mt, gauss = states["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_decode(states["torch"]))
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_decode(s) for s in states["cuda"]])
+    for name, generator in generators.items():
+        generator.set_state(_decode(states["generators"][name]))
+
+
+# --- save, find, restore ---------------------------------------------------------------------------------------------
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Size of the weights as saved (in their own dtype)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def checkpoint_bytes(model: torch.nn.Module) -> int:
+    """Size of one checkpoint: the weights plus AdamW's two moments of every trainable weight."""
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)  # moments are fp32
+    return weights_bytes(model) + ADAM_MOMENTS * trainable
+
+
+def check_free_space(folder: Path, needed: int, key: str) -> None:
+    """Stop before training when ``folder`` is not writable or its disk cannot hold two checkpoints (the new one is
+    written before the old one is removed)."""
+    check_writable(folder, folder)
+    io_check_free_space(folder, 2 * needed, key, "checkpoints need",
+                        f" (free space, or set {key}: 0 to train without them)")
+
+
+def save(folder: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any], state: dict[str, Any],
+         files: dict[str, Path]) -> Path:
+    """Write checkpoint ``step`` atomically (temp sibling, then rename), then remove the older ones."""
+    final = folder / f"{CHECKPOINT_PREFIX}{step:06d}"
+    with atomic_path(final) as tmp:
+        tmp.mkdir()
+        save_model(model, str(tmp / WEIGHTS_FILE))  # handles tied weights (GPT-2's LM head is its embedding)
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        for name, source in files.items():
+            if source.exists():
+                shutil.copytree(source, tmp / FILES_DIR / name)
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}), encoding="utf-8")
+    for old in checkpoints(folder):
+        if old != final:
+            shutil.rmtree(old)
+    return final
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's state.json; {} (matches no run) when it is missing or unreadable, e.g. edited by hand."""
+    try:
+        return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def find(folder: Path, fingerprint: str, prune: bool = True) -> Checkpoint | None:
+    """The newest checkpoint of this run, if any. With ``prune`` (the main process), checkpoints of other runs and
+    temporaries of killed saves are removed, with a log line."""
+    found = None
+    for path in reversed(checkpoints(folder)):
+        state = read_state(path)
+        if state.get("fingerprint") == fingerprint and found is None:
+            found = Checkpoint(path, state["step"], state)
+        elif prune:
+            reason = "an older checkpoint" if state.get("fingerprint") == fingerprint else "another run's checkpoint"
+            log.info("removing %s (%s: params, inputs or code changed since)", path, reason)
+            shutil.rmtree(path)
+    if prune and folder.is_dir():
+        for tmp in folder.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return found
+
+
+def load_weights(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
+    load_model(model, str(checkpoint.path / WEIGHTS_FILE))
+
+
+def load_optimizer_state(checkpoint: Checkpoint) -> dict[str, Any]:
+    """weights_only: a file that would run code when unpickled is refused, not executed."""
+    path = checkpoint.path / OPTIMIZER_FILE
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise PipelineError(f"{path}: refused: it pickles objects other than tensors, which could run code when "
+                            f"loaded; delete {checkpoint.path.parent} to start the run over") from None
+
+
+def restore_files(checkpoint: Checkpoint, files: dict[str, Path]) -> None:
+    """Put the (staged) outputs saved with the checkpoint back where the resumed run writes them."""
+    for name, target in files.items():
+        source = checkpoint.path / FILES_DIR / name
+        if target.exists():
+            shutil.rmtree(target)
+        if source.exists():
+            shutil.copytree(source, target)
+
+
+def clear(folder: Path) -> None:
+    """A completed run needs no checkpoints."""
+    shutil.rmtree(folder, ignore_errors=True)

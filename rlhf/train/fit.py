@@ -1,0 +1,116 @@
+"""The one supervised training loop (sft and reward): AdamW, linear warmup + cosine decay, gradient clipping, a NaN/inf
+stop naming the param to lower, a progress bar, and checkpoints every N steps that a rerun after a kill resumes from
+to the same result (see rlhf/train/checkpoint.py).
+
+The caller supplies the model, its optimizer param groups, the loss of a batch of indices and the resumable order
+those batches come in (rlhf/train/batches.py); a checkpoint holds the weights, optimizer, schedule, every global RNG
+and the order's state, so a resumed run draws the same batches and the same dropout masks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.optimizer import ParamsT
+from tqdm import tqdm
+
+from rlhf.pipeline.errors import TrainingError, interrupted_at
+from rlhf.pipeline.registry import stage
+from rlhf.train import checkpoint
+from rlhf.train.batches import Batches
+from rlhf.train.precision import warmup_cosine
+
+log = logging.getLogger(__name__)
+
+LOSS_WINDOW = 20  # steps averaged in the progress bar
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """How to train; ``section`` is the params section the values come from ('sft', 'reward'): messages name its
+    keys, and its checkpoints live in data/checkpoints/<section>/."""
+
+    section: str
+    steps: int
+    learning_rate: float
+    warmup_steps: int  # the schedule warms up over min(warmup_steps, steps // 2) steps
+    max_grad_norm: float
+    accumulation_steps: int = 1  # micro-batches per optimizer step
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's
+    checkpoint_every: int | None = None
+    fingerprint: str | None = None  # what determines the run (checkpoint.fingerprint); None: no checkpoints
+
+
+@dataclass
+class FitResult:
+    losses: list[float]  # one per step: the loss of its last micro-batch
+    seconds: float  # wall time, the time before a resume included
+
+
+def fit(model: torch.nn.Module, param_groups: ParamsT,
+        loss_fn: Callable[[torch.Tensor], torch.Tensor], batches: Batches, plan: FitPlan) -> FitResult:
+    """Train ``model`` for ``plan.steps`` optimizer steps, each over ``plan.accumulation_steps`` micro-batches of
+    indices from ``batches``; resume from this run's newest checkpoint if there is one. ``param_groups``: the
+    parameters, or torch's per-group dicts (e.g. weight decay for some only)."""
+    optimizer = torch.optim.AdamW(param_groups, lr=plan.learning_rate, betas=plan.betas)
+    schedule = warmup_cosine(optimizer, min(plan.warmup_steps, plan.steps // 2), plan.steps)
+    folder = stage(plan.section).checkpoints
+    losses, earlier = [], 0.0
+    found = resume(folder, plan, model, optimizer, schedule) if plan.fingerprint else None
+    if found is not None:
+        losses, earlier = found.state["losses"], found.state["seconds"]
+        batches.load_state_dict(found.state["data"])
+    model.train()
+    first, start = len(losses), time.perf_counter()
+    bar = tqdm(range(first, plan.steps), desc=plan.section, initial=first, total=plan.steps)
+    step = first  # the step a Ctrl-C names
+    with interrupted_at(lambda: step):
+        for step in bar:
+            for _ in range(plan.accumulation_steps):
+                loss = loss_fn(next(batches))
+                if not torch.isfinite(loss):
+                    raise TrainingError(f"step {step}: {plan.section} loss is NaN/inf "
+                                        f"(lower {plan.section}.learning_rate)")
+                (loss / plan.accumulation_steps).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), plan.max_grad_norm)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{sum(losses[-LOSS_WINDOW:]) / len(losses[-LOSS_WINDOW:]):.3f}")
+            if plan.fingerprint and (step + 1) % plan.checkpoint_every == 0 and step + 1 < plan.steps:
+                save(folder, plan, step, model, optimizer, schedule, {
+                    "losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})
+    if plan.fingerprint:
+        checkpoint.clear(folder)
+    return FitResult(losses, earlier + time.perf_counter() - start)
+
+
+def save(folder: Path, plan: FitPlan, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         schedule: torch.optim.lr_scheduler.LRScheduler, state: dict[str, Any]) -> None:
+    """Checkpoint after ``step``: weights, optimizer and schedule, the global RNGs, and the loop's own ``state``."""
+    checkpoint.save(folder, step, model, {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()},
+                    {"fingerprint": plan.fingerprint, "rng": checkpoint.rng_states({}), **state}, {})
+
+
+def resume(folder: Path, plan: FitPlan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           schedule: torch.optim.lr_scheduler.LRScheduler) -> checkpoint.Checkpoint | None:
+    """Load this run's newest checkpoint into the model, optimizer, schedule and global RNGs (None: start at step 0).
+    The disk is checked first, naming the checkpoint key: a checkpoint is written before the previous one goes."""
+    checkpoint.check_free_space(folder, checkpoint.checkpoint_bytes(model), f"{plan.section}.checkpoint_every")
+    found = checkpoint.find(folder, plan.fingerprint)
+    if found is None:
+        return None
+    checkpoint.load_weights(found, model)
+    state = checkpoint.load_optimizer_state(found)
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    checkpoint.set_rng_states(found.state["rng"], {})
+    log.info("%s: resuming after step %d from %s", plan.section, found.step, found.path)
+    return found

@@ -1,0 +1,121 @@
+"""Causal-LM training on IMDb text: packed blocks, next-token loss (trained by rlhf/train/fit.py), perplexity."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.models.loading import context_size, fast_activations, load_causal_lm
+from rlhf.models.logprobs import cross_entropy
+from rlhf.pipeline.errors import DataError, ModelError
+from rlhf.pipeline.schema import Params, SftParams
+from rlhf.train import checkpoint
+from rlhf.train.batches import RandomBatches
+from rlhf.train.fit import FitPlan, FitResult, fit
+from rlhf.train.precision import autocast
+
+
+def build_model(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A from-scratch GPT-2 of the sft.* shape, or the sft.base checkpoint to fine-tune."""
+    s = params.sft
+    if s.base != "scratch":
+        lm = load_causal_lm(s.base, params.model, what="sft.base")
+        if s.block_size > context_size(lm):
+            raise ModelError(f"sft.block_size: {s.block_size} exceeds sft.base's {context_size(lm)} positions")
+        return lm
+    return scratch_model(s, len(tokenizer), tokenizer.eos_token_id)
+
+
+def scratch_model(s: SftParams, vocab_size: int, eos_token_id: int) -> PreTrainedModel:
+    """A randomly initialised GPT-2 of the sft.* shape."""
+    config = GPT2Config(
+        vocab_size=vocab_size, n_positions=s.n_positions, n_embd=s.n_embd, n_layer=s.n_layer, n_head=s.n_head,
+        resid_pdrop=s.dropout, embd_pdrop=s.dropout, attn_pdrop=s.dropout,
+        bos_token_id=eos_token_id, eos_token_id=eos_token_id,
+    )
+    return fast_activations(GPT2LMHeadModel(config))
+
+
+def pack(texts: pd.Series, tokenizer: PreTrainedTokenizerBase, block_size: int, max_tokens: int | None,
+         rng: np.random.Generator | None = None) -> torch.Tensor:
+    """(N, block_size) blocks of the reviews' token stream, EOS between reviews; shuffled reviews when ``rng``.
+
+    Tokenizes in chunks and stops once ``max_tokens`` are collected, so a small budget does not pay for
+    tokenizing 75k reviews.
+    """
+    order = rng.permutation(len(texts)) if rng is not None else np.arange(len(texts))
+    stream: list[int] = []
+    for start in range(0, len(order), 2000):
+        chunk = texts.iloc[order[start: start + 2000]].tolist()
+        for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+            stream.extend(ids)
+            stream.append(tokenizer.eos_token_id)
+        if max_tokens is not None and len(stream) >= max_tokens:
+            break
+    n_blocks = len(stream) // block_size
+    if n_blocks == 0:
+        raise DataError(f"the training text holds {len(stream)} tokens, fewer than one sft.block_size={block_size}")
+    return torch.tensor(stream[: n_blocks * block_size]).view(n_blocks, block_size)
+
+
+def next_token_loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    """Mean -log p(token | the tokens before it) over every token of the (B, T) blocks but the first of each.
+
+    The LM head runs on the T - 1 positions that predict a token, under ``model.precision``'s autocast (bf16
+    logits under bf16), and ``logprobs.cross_entropy`` takes them without an (N, V) fp32 copy: Hugging Face's own loss
+    upcasts all T positions' logits and keeps several such copies, 40% of a CPU training step at the offline-cpu
+    shape (BENCHMARKS.md).
+    """
+    with autocast(batch.device, precision):
+        hidden = lm.base_model(input_ids=batch).last_hidden_state[:, :-1]
+        logits = lm.get_output_embeddings()(hidden)  # (B, T - 1, V)
+    return cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+@torch.no_grad()
+def perplexity(lm: PreTrainedModel, blocks: torch.Tensor, batch_size: int, device: torch.device) -> float:
+    """exp(mean next-token loss over every predicted token of the blocks)."""
+    lm.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(blocks), batch_size):
+        batch = blocks[i: i + batch_size].to(device)
+        loss = next_token_loss(lm, batch)  # fp32: a metric, not worth bf16's rounding
+        n = batch.numel() - len(batch)  # the first token of each block is never predicted
+        total, count = total + loss.item() * n, count + n
+    return math.exp(total / count)
+
+
+def run_fingerprint(params: Params) -> str:
+    """What determines an sft run: the params the stage reads (not its checkpoint interval) and the local inputs."""
+    inputs = [params.data.source, params.model.tokenizer or "", params.model.policy, params.sft.base]
+    return checkpoint.fingerprint("sft", params, [p for p in inputs if p], exclude=("sft.checkpoint_every",))
+
+
+def tokens_per_step(s: SftParams) -> int:
+    return s.batch_size * s.block_size * s.gradient_accumulation_steps
+
+
+def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: torch.device,
+          generator: torch.Generator) -> FitResult:
+    """Next-token training on blocks drawn at random (from ``generator``) until the sft.max_tokens budget is spent.
+
+    Weight decay applies to the matrices only (not to biases and LayerNorm gains); with sft.checkpoint_every, a
+    rerun after a kill resumes to the same result (rlhf/train/fit.py).
+    """
+    s = params.sft
+    decay = [p for p in lm.parameters() if p.dim() >= 2]
+    no_decay = [p for p in lm.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def loss(idx: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(lm, blocks[idx].to(device), params.model.precision)
+
+    plan = FitPlan("sft", max(1, s.max_tokens // tokens_per_step(s)), s.learning_rate, s.warmup_steps,
+                   s.max_grad_norm, s.gradient_accumulation_steps, betas=(0.9, 0.95),
+                   checkpoint_every=s.checkpoint_every, fingerprint=run_fingerprint(params) if s.checkpoint_every
+                   else None)
+    return fit(lm, groups, loss, RandomBatches(len(blocks), s.batch_size, generator), plan)
