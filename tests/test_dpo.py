@@ -22,8 +22,8 @@ from stages.core.rollout import response_lengths
 from stages.core.sampled_pairs import SAMPLED_PAIR_SCHEMA, sample_pairs
 
 CPU = torch.device("cpu")
-CONFIG = dpo.DpoConfig(loss="dpo", beta=0.1, label_smoothing=0.0, tau=0.1, learning_rate=3e-3, batch_size=8,
-                       epochs=4, max_length=24, warmup_steps=2, max_grad_norm=1.0, checkpoint_every=None)
+CONFIG = dpo.DpoConfig(loss="dpo", beta=0.1, label_smoothing=0.0, tau=0.1, learning_rate=1e-2, batch_size=8,
+                       epochs=1, max_length=24, warmup_steps=2, max_grad_norm=1.0, checkpoint_every=None)
 RESPONSE_TOKENS = (4, 8)
 SAMPLING = SamplingParams()
 PAIR_PROMPTS = QUERIES
@@ -68,6 +68,7 @@ def test_reference_logprobs_are_each_pair_s_own(tiny_gpt2_dir: Path, tokenizer) 
             assert pairs.ref_logprobs[row, side].item() == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["dpo", "ipo"])
 def test_preference_training_learns_an_obvious_signal(tiny_gpt2_dir: Path, tokenizer, loss: str) -> None:
     reference, lm = load(tiny_gpt2_dir), load(tiny_gpt2_dir)
@@ -76,7 +77,11 @@ def test_preference_training_learns_an_obvious_signal(tiny_gpt2_dir: Path, token
     held_out = prepared(signal_pairs(32, 1), reference, tokenizer)
     before = dpo.evaluate(lm, tokenizer, held_out, config, CPU)
     assert before["rewards/accuracies"] < 0.5 and abs(before["rewards/margins"]) < 1e-4  # the policy is the reference
-    result = dpo.train(lm, tokenizer, train, config, CPU, torch.Generator().manual_seed(0))
+    steps = []
+    result = dpo.train(lm, tokenizer, train, config, CPU, torch.Generator().manual_seed(0),  # 8 steps
+                       after_step=lambda step, stats: steps.append((step, stats)))
+    assert [step for step, _ in steps] == list(range(8))
+    assert steps[-1][1]["rewards/accuracies"] >= 0.9 and steps[-1][1]["loss"] == pytest.approx(result.losses[-1])
     after = dpo.evaluate(lm, tokenizer, held_out, config, CPU)
     assert after["rewards/accuracies"] >= 0.9
     assert after["rewards/margins"] > 0 and after["logratios/chosen"] > after["logratios/rejected"]
@@ -107,6 +112,7 @@ def every_ranked_pair(reference, tokenizer, scorer, k: int) -> list[tuple[str, s
     return sorted(pairs)
 
 
+@pytest.mark.slow
 def test_sampled_pairs_rank_as_the_scorer_and_dpo_on_them_raises_its_score(tiny_gpt2_dir: Path, tokenizer) -> None:
     reference, lm = load(tiny_gpt2_dir), load(tiny_gpt2_dir)
     scorer = TokenShareScorer(tokenizer, cutoff=len(tokenizer) // 4)
@@ -154,24 +160,27 @@ def interrupt_at(lm, call: int) -> None:
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_gpt2_dir: Path, tokenizer, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    config = dataclasses.replace(CONFIG, epochs=1, checkpoint_every=2)  # 32 pairs: 4 steps, a checkpoint after 2
+    config = dataclasses.replace(CONFIG, checkpoint_every=2)  # 32 pairs: 4 steps, a checkpoint after 2
     reference = load(tiny_gpt2_dir)
     pairs = prepared(signal_pairs(32, 0), reference, tokenizer)
 
-    def run(lm) -> dpo.FitResult:
-        return dpo.train(lm, tokenizer, pairs, config, CPU, torch.Generator().manual_seed(0), fingerprint="run-a")
+    def run(lm, steps: list) -> dpo.FitResult:
+        return dpo.train(lm, tokenizer, pairs, config, CPU, torch.Generator().manual_seed(0), fingerprint="run-a",
+                         after_step=lambda step, stats: steps.append((step, stats)))
 
-    whole = load(tiny_gpt2_dir)
-    uninterrupted = run(whole)
+    whole, every_step = load(tiny_gpt2_dir), []
+    uninterrupted = run(whole, every_step)
     first = load(tiny_gpt2_dir)
     interrupt_at(first, 4)  # in step 4 (one forward a step): the newest checkpoint is after step 2
     with pytest.raises(Interrupted):
-        run(first)
+        run(first, [])
     assert [p.name for p in (tmp_path / "data/checkpoints/dpo").iterdir()] == ["step-000001"]
     torch.manual_seed(123)  # the checkpoint restores the global RNGs too
     resumed_lm = load(tiny_gpt2_dir)
-    resumed = run(resumed_lm)
+    steps_after_resume = []
+    resumed = run(resumed_lm, steps_after_resume)
     assert resumed.losses == uninterrupted.losses
+    assert steps_after_resume == every_step[2:], "the same batches and stats, from the step after the checkpoint"
     for a, b in zip(resumed_lm.parameters(), whole.parameters(), strict=True):
         assert torch.equal(a, b)
 

@@ -16,6 +16,7 @@ A batch holds each pair's chosen and rejected response as two rows of one forwar
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -149,34 +150,59 @@ def _require_reference(pairs: PairSet, caller: str) -> None:
         raise ValueError(f"{caller}: the pairs have no reference log-probs (compute them once with with_reference)")
 
 
+def pair_stats(losses: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+               config: DpoConfig) -> dict[str, float]:
+    """Means over pairs of (N,) losses and of (N, 2) policy and reference sequence log-probs of (chosen, rejected):
+    the loss, and named as TRL's DPOTrainer logs them, the implicit rewards of chosen and rejected, their accuracy
+    and margin and the policy's log-probs; plus the log-ratios log pi / pi_ref of chosen and rejected."""
+    logratios = logprobs - ref_logprobs
+    chosen = pref.implicit_rewards(logprobs[:, 0], ref_logprobs[:, 0], config.reward_coef)
+    rejected = pref.implicit_rewards(logprobs[:, 1], ref_logprobs[:, 1], config.reward_coef)
+    return {
+        "loss": losses.mean().item(),
+        "rewards/chosen": chosen.mean().item(),
+        "rewards/rejected": rejected.mean().item(),
+        "rewards/accuracies": pref.reward_accuracy(chosen, rejected).item(),
+        "rewards/margins": pref.reward_margin(chosen, rejected).item(),
+        "logps/chosen": logprobs[:, 0].mean().item(),
+        "logps/rejected": logprobs[:, 1].mean().item(),
+        "logratios/chosen": logratios[:, 0].mean().item(),
+        "logratios/rejected": logratios[:, 1].mean().item(),
+    }
+
+
 def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoConfig,
-          device: torch.device, generator: torch.Generator, precision: str = "fp32",
-          fingerprint: str | None = None) -> FitResult:
+          device: torch.device, generator: torch.Generator, precision: str = "fp32", fingerprint: str | None = None,
+          after_step: Callable[[int, dict[str, float]], None] | None = None) -> FitResult:
     """``config.epochs`` passes over ``pairs`` (reference log-probs included), each in a fresh order drawn from
-    ``generator``, by full batches. Dropout is switched off in ``lm`` (a policy equal to the reference must give
-    log-ratios of exactly 0). With ``config.checkpoint_every`` and a ``fingerprint`` of what determines the run
-    (``checkpoint.fingerprint``), a rerun after a kill resumes to the same result."""
+    ``generator``, by full batches. Dropout is switched off in ``lm``: a policy equal to the reference must give
+    log-ratios of 0, not noise. With ``config.checkpoint_every`` and a ``fingerprint`` of what determines the run
+    (``checkpoint.fingerprint``), a rerun after a kill resumes to the same result. ``after_step(step, stats)`` gets
+    the ``pair_stats`` of each step's batch (fit.py says when it runs)."""
     _require_reference(pairs, "dpo.train")
     if len(pairs) < config.batch_size:
         raise DataError(f"{len(pairs)} training pairs, fewer than {SECTION}.batch_size={config.batch_size}")
     disable_dropout(lm)
+    batch_stats: dict[str, float] = {}
 
     def loss(order: torch.Tensor) -> torch.Tensor:
-        return pair_losses(lm, pairs, order.tolist(), tokenizer, config, device, precision)[0].mean()
+        idx = order.tolist()
+        losses, logprobs = pair_losses(lm, pairs, idx, tokenizer, config, device, precision)
+        batch_stats.update(pair_stats(losses.detach(), logprobs.detach().cpu(), pairs.ref_logprobs[idx], config))
+        return losses.mean()
 
     checkpoints = bool(config.checkpoint_every) and fingerprint is not None
     plan = FitPlan(SECTION, config.epochs * (len(pairs) // config.batch_size), config.learning_rate,
                    config.warmup_steps, config.max_grad_norm, checkpoint_every=config.checkpoint_every,
                    fingerprint=fingerprint if checkpoints else None)
-    return fit(lm, lm.parameters(), loss, ShuffledBatches(len(pairs), config.batch_size, generator), plan)
+    return fit(lm, lm.parameters(), loss, ShuffledBatches(len(pairs), config.batch_size, generator), plan,
+               None if after_step is None else lambda step: after_step(step, dict(batch_stats)))
 
 
 @torch.no_grad()
 def evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoConfig,
              device: torch.device, precision: str = "fp32", batch_size: int = 64) -> dict[str, float]:
-    """Held-out pairs' mean loss and, named as TRL's DPOTrainer logs them, the implicit rewards of chosen and
-    rejected, their accuracy and margin, and the policy's sequence log-probs; plus the mean log-ratios
-    log pi / pi_ref of chosen and rejected responses."""
+    """The ``pair_stats`` of held-out pairs."""
     _require_reference(pairs, "dpo.evaluate")
     was_training = lm.training
     lm.eval()
@@ -187,18 +213,4 @@ def evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: Pai
         losses.append(batch_losses.cpu())
         logprobs.append(batch_logprobs.cpu())
     lm.train(was_training)
-    logprobs_all = torch.cat(logprobs)  # (N, 2)
-    logratios = logprobs_all - pairs.ref_logprobs
-    chosen = pref.implicit_rewards(logprobs_all[:, 0], pairs.ref_logprobs[:, 0], config.reward_coef)
-    rejected = pref.implicit_rewards(logprobs_all[:, 1], pairs.ref_logprobs[:, 1], config.reward_coef)
-    return {
-        "loss": torch.cat(losses).mean().item(),
-        "rewards/chosen": chosen.mean().item(),
-        "rewards/rejected": rejected.mean().item(),
-        "rewards/accuracies": pref.reward_accuracy(chosen, rejected).item(),
-        "rewards/margins": pref.reward_margin(chosen, rejected).item(),
-        "logps/chosen": logprobs_all[:, 0].mean().item(),
-        "logps/rejected": logprobs_all[:, 1].mean().item(),
-        "logratios/chosen": logratios[:, 0].mean().item(),
-        "logratios/rejected": logratios[:, 1].mean().item(),
-    }
+    return pair_stats(torch.cat(losses), torch.cat(logprobs), pairs.ref_logprobs, config)
