@@ -37,8 +37,9 @@ def dpo_loss(chosen_logprobs: torch.Tensor, rejected_logprobs: torch.Tensor, ref
     """(B,) per-pair DPO loss from (B,) sequence log-probs.
 
     Rafailov et al. 2023, eq. 7: -log sigma(beta * h). With ``label_smoothing`` eps (cDPO: each label is flipped with
-    probability eps), the expected loss under the noisy label: -(1 - eps) log sigma(beta h) - eps log sigma(-beta h),
-    as TRL's ``sigmoid`` loss. eps = 0.5 makes the loss symmetric in the pair (it learns nothing); eps must be < 0.5.
+    probability eps; Mitchell's note, eq. 3), the expected loss under the noisy label:
+    -(1 - eps) log sigma(beta h) - eps log sigma(-beta h), as TRL's ``sigmoid`` loss. eps = 0.5 makes the loss
+    symmetric in the pair (it learns nothing); eps must be < 0.5.
     """
     logits = beta * logratio_difference(chosen_logprobs, rejected_logprobs, ref_chosen_logprobs,
                                         ref_rejected_logprobs)
@@ -49,9 +50,10 @@ def ipo_loss(chosen_logprobs: torch.Tensor, rejected_logprobs: torch.Tensor, ref
              ref_rejected_logprobs: torch.Tensor, tau: float) -> torch.Tensor:
     """(B,) per-pair IPO loss from (B,) sequence log-probs: (h - 1 / (2 tau))^2.
 
-    Azar et al. 2023, eq. 17 (the sampled IPO loss), with h of whole-sequence log-probs as the paper defines it. TRL's
-    ``ipo`` loss averages log-probs per token instead (its ``beta`` plays tau): that moves the target margin from
-    1 / (2 tau) nats per sequence to per token, so equal tau values are not comparable between the two.
+    Azar et al. 2023 (arXiv 2310.12036v2), eq. 17, the sampled IPO loss, with h of whole-sequence log-probs as the
+    paper defines it. TRL's ``ipo`` loss averages log-probs per token instead (its ``beta`` plays tau): that moves the
+    target margin from 1 / (2 tau) nats per sequence to per token, so equal tau values are not comparable between the
+    two.
     """
     h = logratio_difference(chosen_logprobs, rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs)
     return (h - 1 / (2 * tau)).square()
