@@ -184,3 +184,14 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_gpt2_dir: Path,
     for a, b in zip(resumed_lm.parameters(), whole.parameters(), strict=True):
         assert torch.equal(a, b)
 
+
+
+def test_training_refuses_pairs_without_reference_logprobs_or_fewer_than_a_batch(tiny_gpt2_dir: Path,
+                                                                                  tokenizer) -> None:
+    lm = load(tiny_gpt2_dir)
+    pairs = dpo.encode_pairs(signal_pairs(4, 0), tokenizer, CONFIG.max_length, "pairs")
+    with pytest.raises(ValueError, match="no reference log-probs"):
+        dpo.train(lm, tokenizer, pairs, CONFIG, CPU, torch.Generator())
+    with pytest.raises(DataError, match=r"^4 training pairs, fewer than dpo.batch_size=8$"):
+        dpo.train(lm, tokenizer, dpo.with_reference(pairs, lm, tokenizer, 4, CPU, "fp32"), CONFIG, CPU,
+                  torch.Generator())
