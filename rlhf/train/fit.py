@@ -54,10 +54,12 @@ class FitResult:
 
 
 def fit(model: torch.nn.Module, param_groups: ParamsT,
-        loss_fn: Callable[[torch.Tensor], torch.Tensor], batches: Batches, plan: FitPlan) -> FitResult:
+        loss_fn: Callable[[torch.Tensor], torch.Tensor], batches: Batches, plan: FitPlan,
+        after_step: Callable[[int], None] | None = None) -> FitResult:
     """Train ``model`` for ``plan.steps`` optimizer steps, each over ``plan.accumulation_steps`` micro-batches of
     indices from ``batches``; resume from this run's newest checkpoint if there is one. ``param_groups``: the
-    parameters, or torch's per-group dicts (e.g. weight decay for some only)."""
+    parameters, or torch's per-group dicts (e.g. weight decay for some only). ``after_step(step)`` runs after each
+    optimizer step (curves, held-out evaluation); after a resume it runs again for the steps past the checkpoint."""
     optimizer = torch.optim.AdamW(param_groups, lr=plan.learning_rate, betas=plan.betas)
     schedule = warmup_cosine(optimizer, min(plan.warmup_steps, plan.steps // 2), plan.steps)
     folder = stage(plan.section).checkpoints
@@ -84,6 +86,8 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
             bar.set_postfix(loss=f"{sum(losses[-LOSS_WINDOW:]) / len(losses[-LOSS_WINDOW:]):.3f}")
+            if after_step is not None:
+                after_step(step)
             if plan.fingerprint and (step + 1) % plan.checkpoint_every == 0 and step + 1 < plan.steps:
                 save(folder, plan, step, model, optimizer, schedule, {
                     "losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})

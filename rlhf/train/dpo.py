@@ -1,0 +1,216 @@
+"""Direct preference optimisation: the policy trained on (prompt, chosen, rejected) pairs by DPO or IPO
+(rlhf/rl/preference.py) through the project's one training loop (rlhf/train/fit.py), against a frozen reference
+whose log-probs are computed once per pair set, before training, and never again.
+
+What a pair's prompt is. Sampled pairs (rlhf/data/sampled_pairs.py) carry the prompt their two completions continue.
+prepare's pairs are the openings of two different reviews, a positive and a negative one, which share no prompt: their
+prompt is empty, the tokenizer's BOS token alone, so each side is a continuation of nothing and log pi(y) is the
+policy's log-probability of the whole opening, the text the reward model scores for the same pair. Their shared
+character prefix would be an accident of the two reviews (mostly empty, else a word like "This"), and a cut at a
+character can split a token.
+
+A batch holds each pair's chosen and rejected response as two rows of one forward pass, in rollout's layout
+(rlhf/rl/rollout.py): prompts left-padded, responses right-padded, the log-probs those of the response tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import pandas as pd
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.models.policy import disable_dropout
+from rlhf.pipeline.errors import DataError
+from rlhf.rl import preference as pref
+from rlhf.rl.rollout import Samples, forward, left_pad
+from rlhf.train.batches import ShuffledBatches
+from rlhf.train.fit import FitPlan, FitResult, fit
+from rlhf.train.precision import autocast
+
+SECTION = "dpo"  # the params section: messages name its keys, checkpoints live in data/checkpoints/dpo/
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    """The dpo.* params training reads (defaults and docs live in the params module)."""
+
+    loss: Literal["dpo", "ipo"]
+    beta: float  # DPO's KL coefficient
+    label_smoothing: float  # cDPO's label-flip probability, in [0, 0.5)
+    tau: float  # IPO's regularisation strength
+    learning_rate: float
+    batch_size: int  # pairs per optimizer step
+    epochs: int
+    max_length: int  # prompt + response tokens; responses are cut to fit
+    warmup_steps: int
+    max_grad_norm: float
+    checkpoint_every: int | None  # steps; None or 0: no checkpoints
+
+    @property
+    def reward_coef(self) -> float:
+        """The implicit reward's coefficient: beta for DPO; tau for IPO, whose regulariser is tau KL (TRL's ``ipo``
+        uses its beta, which plays tau, the same way)."""
+        return self.beta if self.loss == "dpo" else self.tau
+
+
+@dataclass
+class PairSet:
+    """Token ids of every pair; ``ref_logprobs`` (N, 2): the reference's sequence log-probs of (chosen, rejected),
+    once ``with_reference`` has computed them."""
+
+    prompts: list[list[int]]
+    chosen: list[list[int]]
+    rejected: list[list[int]]
+    ref_logprobs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def _token_ids(texts: list[str], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+
+
+def encode_pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_length: int, where: str) -> PairSet:
+    """Token ids of a pairs frame (``chosen``, ``rejected``, and ``prompt`` when the pairs have one; none or an empty
+    one: the BOS token). Prompt and responses are tokenized apart, as they were sampled; a response is cut to the
+    ``max_length`` tokens left after its prompt, and an empty one is the EOS it stopped at."""
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    texts = frame["prompt"].tolist() if "prompt" in frame else [""] * len(frame)
+    prompts = [ids or [bos] for ids in _token_ids(texts, tokenizer)]
+    for row, prompt in enumerate(prompts):
+        if len(prompt) >= max_length:
+            raise DataError(f"{where}: row {row}: the prompt is {len(prompt)} tokens, leaving no room for a response "
+                            f"in {SECTION}.max_length={max_length}")
+    sides = {}
+    for side in ("chosen", "rejected"):
+        ids = _token_ids(frame[side].tolist(), tokenizer)
+        sides[side] = [(row or [tokenizer.eos_token_id])[: max_length - len(prompt)]
+                       for row, prompt in zip(ids, prompts, strict=True)]
+    return PairSet(prompts, sides["chosen"], sides["rejected"])
+
+
+def pair_samples(pairs: PairSet, idx: list[int], tokenizer: PreTrainedTokenizerBase, device: torch.device) -> Samples:
+    """The pairs ``idx`` as 2b rows: the b chosen responses, then the b rejected ones, each after its prompt."""
+    prompts = [pairs.prompts[i] for i in idx] * 2
+    responses = [pairs.chosen[i] for i in idx] + [pairs.rejected[i] for i in idx]
+    queries, query_mask = left_pad(prompts, tokenizer.pad_token_id, device)
+    R = max(map(len, responses))
+    ids = torch.full((len(responses), R), tokenizer.pad_token_id, dtype=torch.long)
+    for row, response in enumerate(responses):
+        ids[row, : len(response)] = torch.tensor(response)
+    ids = ids.to(device)
+    response_mask = torch.arange(R, device=device) < torch.tensor(list(map(len, responses)), device=device)[:, None]
+    has_eos = ((ids == tokenizer.eos_token_id) & response_mask).any(-1)
+    return Samples(torch.cat([queries, ids], 1), torch.cat([query_mask, response_mask.long()], 1), queries.shape[1],
+                   response_mask, has_eos)
+
+
+def sequence_logprobs(lm: PreTrainedModel, samples: Samples, precision: str) -> torch.Tensor:
+    """(rows,) log pi(response | prompt) of every row, under ``model.precision``'s autocast (fp32 log-probs)."""
+    with autocast(samples.query_responses.device, precision):
+        out = forward(lm, samples, temperature=1.0)
+    return pref.sequence_logprobs(out.logprobs, samples.response_mask)
+
+
+@torch.no_grad()
+def with_reference(pairs: PairSet, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                   batch_size: int, device: torch.device, precision: str) -> PairSet:
+    """``pairs`` with the reference's (N, 2) sequence log-probs of (chosen, rejected): one pass, cached for every
+    epoch (the reference is frozen, so they never change)."""
+    reference.eval()
+    parts = []
+    for start in range(0, len(pairs), batch_size):
+        idx = list(range(start, min(start + batch_size, len(pairs))))
+        both = sequence_logprobs(reference, pair_samples(pairs, idx, tokenizer, device), precision)  # (2b,)
+        parts.append(both.view(2, -1).T.cpu())
+    return dataclasses.replace(pairs, ref_logprobs=torch.cat(parts))
+
+
+def pair_losses(lm: PreTrainedModel, pairs: PairSet, idx: list[int], tokenizer: PreTrainedTokenizerBase,
+                config: DpoConfig, device: torch.device, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """((b,) per-pair losses, (b, 2) policy sequence log-probs of (chosen, rejected)) of the pairs ``idx``."""
+    logprobs = sequence_logprobs(lm, pair_samples(pairs, idx, tokenizer, device), precision).view(2, -1).T
+    ref = pairs.ref_logprobs[idx].to(device)
+    if config.loss == "dpo":
+        losses = pref.dpo_loss(logprobs[:, 0], logprobs[:, 1], ref[:, 0], ref[:, 1], config.beta,
+                               config.label_smoothing)
+    else:
+        losses = pref.ipo_loss(logprobs[:, 0], logprobs[:, 1], ref[:, 0], ref[:, 1], config.tau)
+    return losses, logprobs
+
+
+def _require_reference(pairs: PairSet, caller: str) -> None:
+    if pairs.ref_logprobs is None:
+        raise ValueError(f"{caller}: the pairs have no reference log-probs (compute them once with with_reference)")
+
+
+def pair_stats(losses: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+               config: DpoConfig) -> dict[str, float]:
+    """Means over pairs of (N,) losses and of (N, 2) policy and reference sequence log-probs of (chosen, rejected):
+    the loss, and named as TRL's DPOTrainer logs them, the implicit rewards of chosen and rejected, their accuracy
+    and margin and the policy's log-probs; plus the log-ratios log pi / pi_ref of chosen and rejected."""
+    logratios = logprobs - ref_logprobs
+    chosen = pref.implicit_rewards(logprobs[:, 0], ref_logprobs[:, 0], config.reward_coef)
+    rejected = pref.implicit_rewards(logprobs[:, 1], ref_logprobs[:, 1], config.reward_coef)
+    return {
+        "loss": losses.mean().item(),
+        "rewards/chosen": chosen.mean().item(),
+        "rewards/rejected": rejected.mean().item(),
+        "rewards/accuracies": pref.reward_accuracy(chosen, rejected).item(),
+        "rewards/margins": pref.reward_margin(chosen, rejected).item(),
+        "logps/chosen": logprobs[:, 0].mean().item(),
+        "logps/rejected": logprobs[:, 1].mean().item(),
+        "logratios/chosen": logratios[:, 0].mean().item(),
+        "logratios/rejected": logratios[:, 1].mean().item(),
+    }
+
+
+def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoConfig,
+          device: torch.device, generator: torch.Generator, precision: str = "fp32", fingerprint: str | None = None,
+          after_step: Callable[[int, dict[str, float]], None] | None = None) -> FitResult:
+    """``config.epochs`` passes over ``pairs`` (reference log-probs included), each in a fresh order drawn from
+    ``generator``, by full batches. Dropout is switched off in ``lm``: a policy equal to the reference must give
+    log-ratios of 0, not noise. With ``config.checkpoint_every`` and a ``fingerprint`` of what determines the run
+    (``checkpoint.fingerprint``), a rerun after a kill resumes to the same result. ``after_step(step, stats)`` gets
+    the ``pair_stats`` of each step's batch (fit.py says when it runs)."""
+    _require_reference(pairs, "dpo.train")
+    if len(pairs) < config.batch_size:
+        raise DataError(f"{len(pairs)} training pairs, fewer than {SECTION}.batch_size={config.batch_size}")
+    disable_dropout(lm)
+    batch_stats: dict[str, float] = {}
+
+    def loss(order: torch.Tensor) -> torch.Tensor:
+        idx = order.tolist()
+        losses, logprobs = pair_losses(lm, pairs, idx, tokenizer, config, device, precision)
+        batch_stats.update(pair_stats(losses.detach(), logprobs.detach().cpu(), pairs.ref_logprobs[idx], config))
+        return losses.mean()
+
+    checkpoints = bool(config.checkpoint_every) and fingerprint is not None
+    plan = FitPlan(SECTION, config.epochs * (len(pairs) // config.batch_size), config.learning_rate,
+                   config.warmup_steps, config.max_grad_norm, checkpoint_every=config.checkpoint_every,
+                   fingerprint=fingerprint if checkpoints else None)
+    return fit(lm, lm.parameters(), loss, ShuffledBatches(len(pairs), config.batch_size, generator), plan,
+               None if after_step is None else lambda step: after_step(step, dict(batch_stats)))
+
+
+@torch.no_grad()
+def evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoConfig,
+             device: torch.device, precision: str = "fp32", batch_size: int = 64) -> dict[str, float]:
+    """The ``pair_stats`` of held-out pairs."""
+    _require_reference(pairs, "dpo.evaluate")
+    was_training = lm.training
+    lm.eval()
+    losses, logprobs = [], []
+    for start in range(0, len(pairs), batch_size):
+        idx = list(range(start, min(start + batch_size, len(pairs))))
+        batch_losses, batch_logprobs = pair_losses(lm, pairs, idx, tokenizer, config, device, precision)
+        losses.append(batch_losses.cpu())
+        logprobs.append(batch_logprobs.cpu())
+    lm.train(was_training)
+    return pair_stats(torch.cat(losses), torch.cat(logprobs), pairs.ref_logprobs, config)
