@@ -84,7 +84,7 @@ def op_counts(run: Callable[[int], torch.Tensor], n: int) -> tuple[Counter, int]
 def measure(runs: dict[str, Callable[[int], torch.Tensor]], tokens: int, iters: int) -> dict[str, dict]:
     """Each decoder's first-token time, time per step and operator calls per step; the decoders take turns in every
     repetition, so a load change on a shared machine hits them alike, in an order reversed every other repetition
-    (whichever runs first after another decoder ran measured up to 10% slower on CPU)."""
+    (on CPU, whichever runs first after another decoder ran measured slower)."""
     pairs: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     for run in runs.values():
         run(1 + tokens)  # warm-up: allocator, lazy init, CUDA graph capture

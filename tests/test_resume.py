@@ -33,7 +33,7 @@ from rlhf.pipeline.errors import TrainingError
 from stages import ppo as ppo_stage
 
 CHECKPOINTS = "data/checkpoints/ppo"
-STEPS = 40  # ~0.05 s each after ~8 s of start-up: long enough for a kill to land mid-run
+STEPS = 40  # steps are short next to the process's start-up, so it takes many for a kill to land mid-run
 RESUMABLE = TINY | {"ppo.steps": STEPS, "ppo.checkpoint_every": 3}  # the last chunk is one step: not a boundary
 WALL_TIME = ("time/", "throughput/", "seconds")  # the only values allowed to differ between runs
 
@@ -262,7 +262,7 @@ def test_a_killed_sft_or_reward_run_resumes_to_the_uninterrupted_result(
     result = run_cli(reference, stage)
     assert result.returncode == 0, result.stderr
 
-    # the first kill comes right after a checkpoint (these runs take ~1 s after start-up), the second at random
+    # the first kill comes right after a checkpoint (these runs are short after start-up), the second at random
     left = [kill_after_progress(project, delay, stage) for delay in draw_delays(kill_delays, 0.0, 1, 0.3)]
     assert any(left), "no kill left a checkpoint to resume from"
     result = run_cli(project, stage)

@@ -53,7 +53,7 @@ def tokenize(texts: Sequence[str], tokenizer: PreTrainedTokenizerBase, max_token
 
     A review averages ~1,300 characters but a prompt or pair snippet needs a few dozen tokens, so each text is cut at
     a space after about ``CHARS_PER_TOKEN * (max_tokens + TAIL_TOKENS)`` characters and only that opening is tokenized
-    (5x faster on IMDb). No token of a byte-level BPE, WordPiece or SentencePiece tokenizer spans the space that starts
+    (much less work). No token of a byte-level BPE, WordPiece or SentencePiece tokenizer spans the space that starts
     a word, so the opening's tokens are the whole text's; as a safety margin an opening must also yield TAIL_TOKENS
     more tokens than are kept, else (very dense text) the whole text is tokenized. Batched fast-tokenizer calls, never
     one call per text.

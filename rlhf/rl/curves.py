@@ -1,9 +1,9 @@
 """The ppo stage's training curves: DVCLive, without its per-step re-read of every curve when no Studio is set up.
 
 ``Live.next_step`` re-reads every metric's whole TSV file to queue data for DVC Studio, and does so even when no
-Studio is configured and nothing will be sent: work that grows with the square of the steps (194 steps of the
-stage's 31 curves: 2.6-3.2 s with it, 0.84-0.87 s without, on the 2-core AMD EPYC; BENCHMARKS.md). The files, the
-summary and what ``dvc plots`` reads are DVCLive's own, unchanged.
+Studio is configured and nothing will be sent: work that grows with the square of the steps, for every one of the
+stage's curves (measured in the benchmark notes). The files, the summary and what ``dvc plots`` reads are DVCLive's
+own, unchanged.
 """
 
 from __future__ import annotations
