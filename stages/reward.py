@@ -25,9 +25,9 @@ from rlhf.train.precision import pick_device, run_switchable
 from rlhf.train.reward_model import build, evaluate, read_pairs, train
 
 STAGE = Stage(
-    # sft.base: the tokenizer of a from-scratch reward model (params.tokenizer_path)
+    # sft.base: the tokenizer of a from-scratch reward model (params.tokenizer_path); sft.n_*, sft.dropout: its shape
     params=("seed", "model", "sft.enabled", "sft.base", "sft.n_layer", "sft.n_embd", "sft.n_head", "sft.n_positions",
-            "reward.train", "reward.base", "reward.epochs", "reward.learning_rate", "reward.batch_size",
+            "sft.dropout", "reward.train", "reward.base", "reward.epochs", "reward.learning_rate", "reward.batch_size",
             "reward.max_length", "reward.margin", "reward.center_coef", "reward.warmup_steps", "reward.max_grad_norm",
             "reward.checkpoint_every"),
     inputs=(PAIRS_DIR, SFT_DIR),

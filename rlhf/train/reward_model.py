@@ -9,9 +9,9 @@ from __future__ import annotations
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForSequenceClassification, GPT2Config, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GPT2ForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.models.loading import fast_activations, load_config, load_sequence_classifier, load_tokenizer
+from rlhf.models.loading import load_config, load_sequence_classifier, load_tokenizer
 from rlhf.pipeline.errors import DataError, ModelError
 from rlhf.pipeline.paths import PAIRS_DIR, SFT_DIR
 from rlhf.pipeline.schema import Params
@@ -19,6 +19,7 @@ from rlhf.train import checkpoint
 from rlhf.train.batches import ShuffledBatches
 from rlhf.train.fit import FitPlan, FitResult, fit
 from rlhf.train.precision import autocast
+from rlhf.train.sft import scratch_model
 
 MARGIN_PER_STAR = 0.1  # with reward.margin, chosen must beat rejected by 0.1 per star of rating difference
 
@@ -38,11 +39,8 @@ def build(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     path, tokenizer_path, what = init_paths(params)
     tokenizer = load_tokenizer(tokenizer_path, params.model, what=what, padding_side="right")
     if path is None:
-        s = params.sft
-        config = GPT2Config(vocab_size=len(tokenizer), n_positions=s.n_positions, n_embd=s.n_embd,
-                            n_layer=s.n_layer, n_head=s.n_head, num_labels=1,
-                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        model = fast_activations(AutoModelForSequenceClassification.from_config(config))
+        model = scratch_model(params.sft, len(tokenizer), tokenizer.eos_token_id, GPT2ForSequenceClassification,
+                              num_labels=1, pad_token_id=tokenizer.pad_token_id)
     else:
         check_reward_base(path, params, what)
         model = load_sequence_classifier(path, params.model, what=what, num_labels=1)

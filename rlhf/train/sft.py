@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,14 +31,16 @@ def build_model(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTraine
     return scratch_model(s, len(tokenizer), tokenizer.eos_token_id)
 
 
-def scratch_model(s: SftParams, vocab_size: int, eos_token_id: int) -> PreTrainedModel:
-    """A randomly initialised GPT-2 of the sft.* shape."""
-    config = GPT2Config(
+def scratch_model(s: SftParams, vocab_size: int, eos_token_id: int, head: type[PreTrainedModel] = GPT2LMHeadModel,
+                  **config: Any) -> PreTrainedModel:
+    """A randomly initialised GPT-2 of the sft.* shape: the sft stage's LM, or (``head``, ``config``: e.g.
+    GPT2ForSequenceClassification, num_labels=1) the reward stage's model from scratch."""
+    gpt2 = GPT2Config(
         vocab_size=vocab_size, n_positions=s.n_positions, n_embd=s.n_embd, n_layer=s.n_layer, n_head=s.n_head,
         resid_pdrop=s.dropout, embd_pdrop=s.dropout, attn_pdrop=s.dropout,
-        bos_token_id=eos_token_id, eos_token_id=eos_token_id,
+        bos_token_id=eos_token_id, eos_token_id=eos_token_id, **config,
     )
-    return fast_activations(GPT2LMHeadModel(config))
+    return fast_activations(head(gpt2))
 
 
 def pack(texts: pd.Series, tokenizer: PreTrainedTokenizerBase, block_size: int, max_tokens: int | None,
