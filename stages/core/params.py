@@ -207,7 +207,10 @@ class PpoParams(Section):
     steps: int = Field(194, gt=0)
     """PPO iterations; each samples batch_size prompts (194 x 128 is one pass over the 24,895 train prompts)."""
     learning_rate: float = Field(1.41e-5, gt=0)
-    """AdamW learning rate of the policy (and value head)."""
+    """Adam learning rate of the policy (and value head)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled (AdamW) weight decay of the PPO optimizer, on every parameter of the policy and value head. 0 is
+    TRL's PPOTrainer (plain Adam); torch's AdamW default would be 0.01."""
     batch_size: int = Field(128, gt=0)
     """Samples (responses) per iteration, per process: batch_size / samples_per_prompt prompts, each answered
     samples_per_prompt times."""
