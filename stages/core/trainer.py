@@ -118,6 +118,11 @@ class PPOTrainer:
         timings: dict[str, float] = {}
         # 1-5. generate, score, forward policy and reference, shape rewards, advantages
         experience = self.make_experience(query_ids, queries, step, timings)
+        return self.learn(experience, step, timings)
+
+    def learn(self, experience: Experience | None, step: int, timings: dict[str, float]) -> StepResult:
+        """6-7 of the iteration, on ``experience`` (None: a skipped batch, counted): the update, then the KL
+        controller; its stats, those of the experience and the ``timings`` of all phases."""
         if experience is None:
             self.skipped_batches += 1
             return StepResult({"ppo/skipped_batches": float(self.skipped_batches)}, None)
@@ -148,6 +153,13 @@ class PPOTrainer:
             with self.autocast():
                 samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
             responses_text = decode_responses(self.tokenizer, samples)
+        return self.score_experience(samples, queries, responses_text, step, timings)
+
+    def score_experience(self, samples: Samples, queries: list[str], responses_text: list[str], step: int,
+                         timings: dict[str, float]) -> Experience | None:
+        """2-5 of the iteration on sampled responses: score, forward policy and reference, rewards, advantages;
+        None where ppo.nan_policy skips a NaN/inf score."""
+        cfg = self.cfg
         with self.timer(timings, "score"):
             raw_scores = self.scorer(queries, responses_text).to(self.device)
             if not self.finite(raw_scores, step, "score", "the reward scorer returned NaN/inf"):
