@@ -10,6 +10,7 @@ decoder is tested against.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -194,12 +195,24 @@ class StaticDecoder:
         self.filled = P + 1
 
     def step(self) -> None:
-        """Feed the token at ``slot`` and sample the next one into ``slot + 1``."""
-        next_tokens = sample_tokens(lm_head(self.lm, self.hidden()), self.sampling)
+        """Feed the token at ``slot`` and sample the next one into ``slot + 1`` (from ``logits``, kept: (B, V))."""
+        self.logits = lm_head(self.lm, self.hidden())
+        next_tokens = sample_tokens(self.logits, self.sampling)
         self.tokens.index_copy_(1, self.slot + 1, next_tokens[:, None])
         self.positions.add_(1)
         self.slot.add_(1)
         self.filled += 1
+
+    def snapshot(self) -> tuple[list[torch.Tensor], int]:
+        """A copy of everything ``step`` reads or writes (the whole KV cache included), for ``restore``."""
+        buffers = [*self.keys, *self.values, self.bias, self.tokens, self.positions, self.slot]
+        return [b.clone() for b in buffers], self.filled
+
+    def restore(self, snapshot: tuple[list[torch.Tensor], int]) -> None:
+        buffers, self.filled = snapshot
+        for target, saved in zip([*self.keys, *self.values, self.bias, self.tokens, self.positions, self.slot],
+                                 buffers, strict=True):
+            target.copy_(saved)
 
     def hidden(self) -> torch.Tensor:
         """(B, E) final hidden state of the token at ``slot``, its keys and values stored there: GPT-2's forward
@@ -230,9 +243,48 @@ def layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
+# Largest total variation distance allowed between the next-token distributions of a captured step's replay and of
+# the same step run eagerly. Both run the same kernels on the same inputs, so they should agree bit for bit
+# (tests/test_decoding.py asserts that on CUDA); the tolerance only lets through rounding-level differences, e.g. a
+# kernel chosen differently under capture. The whole bf16 body moves a sampled token's log-prob by at most 1.7e-2
+# nats against fp32 (BENCHMARKS.md, "bf16 tolerance"), a distance of about half that; 0.05 is 5x it. A step replayed
+# on the wrong data (another slot, token or weights) draws from another distribution: a distance of order 0.3-1 for
+# a trained model (an untrained one, near uniform, can stay under it: for those the check proves little).
+CAPTURE_TOLERANCE = 0.05
+
+
+def sampling_distance(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    """Largest total variation distance between the rows' next-token distributions, softmax of (B, V) logits:
+    the most the probability of any set of tokens differs. NaN where either has a NaN, or a row all -inf."""
+    p, q = (x.double().softmax(-1) for x in (logits, reference))
+    return 0.5 * (p - q).abs().sum(-1).max().item()
+
+
+def replay_matches_eager(decoder: StaticDecoder, replay: Callable[[], torch.Tensor]) -> bool:
+    """The one-time check of a captured step: ``replay()`` (the graph: one step, returning its (B, V) logits) from
+    the decoder's current state, then, from the same state restored, the same step eagerly; whether their
+    ``sampling_distance`` is within CAPTURE_TOLERANCE (a warning where not). Either way the decoder is left one
+    eager step further on, as if the check had not been. Cost: a copy of the decoder's buffers and one eager step."""
+    state = decoder.snapshot()
+    replayed = replay().clone()
+    decoder.restore(state)
+    decoder.step()
+    distance = sampling_distance(replayed, decoder.logits)
+    if distance <= CAPTURE_TOLERANCE:
+        log.debug("captured decoding step checked: distance %.1e from the eager step", distance)
+        return True
+    log.warning("the captured CUDA graph of the decoding step does not replay the eager step (sampling distance %s "
+                "> %s); decoding eagerly from now on", f"{distance:.3g}", CAPTURE_TOLERANCE)
+    return False
+
+
 class GraphedDecoder:
     """A ``StaticDecoder`` whose ``step`` is one CUDA graph replay: the step's kernels are launched by the GPU from
-    the recorded graph, with no Python, dispatcher or launch overhead per kernel."""
+    the recorded graph, with no Python, dispatcher or launch overhead per kernel.
+
+    Its first step is checked against the eager step (``replay_matches_eager``); where they differ, it and every
+    later decoder of the process decode eagerly (``_CAPTURED['failed']``), as after a failed capture.
+    """
 
     WARMUP_STEPS = 3  # on a side stream before capture, as torch.cuda.graph asks: lazy init, cuBLAS workspaces
 
@@ -248,13 +300,27 @@ class GraphedDecoder:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             decoder.step()
+        self.logits = decoder.logits  # the graph's output buffer, rewritten by every replay
+        self.checked = self.eager = False
 
     def start(self, queries: torch.Tensor, query_mask: torch.Tensor) -> None:
         self.decoder.refresh()
         self.decoder.start(queries, query_mask)
 
     def step(self) -> None:
+        if self.eager:
+            self.decoder.step()
+        elif not self.checked:  # on real inputs: the first step after the first start
+            self.checked = True
+            if not replay_matches_eager(self.decoder, self.replay):
+                self.eager = True
+                _CAPTURED.update(key=None, decoder=None, failed=True)
+        else:
+            self.graph.replay()
+
+    def replay(self) -> torch.Tensor:
         self.graph.replay()
+        return self.logits
 
 
 SLOT_BUCKET = 32  # cache slots are rounded up to a multiple of this: prompts of varying length share one graph
