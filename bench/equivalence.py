@@ -4,12 +4,13 @@
 ``bench.compare`` makes it)
 
 Each case is one PPO phase (rollout forward passes, rewards, advantages, ``ppo_epochs`` over mini-batches, the KL
-controller) of both trainers on the same tiny GPT-2 (built in a temp dir, dropout off), the same value-head weights,
-queries, responses, scores and mini-batch order, in fp32 on the CPU. Compared: the per-token log-probs, reference
-log-probs, values, KL, non-score rewards, rewards, advantages and returns over the real response tokens; every
-mini-batch's losses and stats; the step's stats under the names each trainer logs them; the weights (policy and
-value head) and the KL coefficient after the step. Where TRL 0.11 is wrong the case says why ours differs, and a
-control case (TRL patched, or inputs the bug cannot reach) shows that cause is the whole difference.
+controller) of both trainers on the same tiny random GPT-2s (policy and reference, built in a temp dir, dropout
+off), the same value-head weights, queries, responses, scores and mini-batch order, in fp32 on the CPU. Compared:
+the per-token log-probs, reference log-probs, values, KL, non-score rewards, rewards, advantages and returns over the
+real response tokens; every mini-batch's losses and stats; the step's stats under the names each trainer logs them;
+the weights (policy and value head) and the KL coefficient after the step. Where TRL 0.11 is wrong the case says why
+ours differs, and a control case (TRL patched, or inputs the bug cannot reach) shows that cause is the whole
+difference.
 """
 
 from __future__ import annotations
@@ -87,14 +88,14 @@ CASES = [
 ]
 
 
-def build_model(folder: Path) -> Path:
+def build_model(folder: Path, seed: int = 0) -> Path:
     """A random 2-layer GPT-2 (dropout off) and a word-level tokenizer of VOCAB tokens, saved in ``folder``."""
     vocab = {f"t{i}": i for i in range(VOCAB - 1)} | {"<|endoftext|>": VOCAB - 1}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
                             unk_token="<|endoftext|>").save_pretrained(folder)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
     GPT2LMHeadModel(config).save_pretrained(folder)
@@ -137,13 +138,13 @@ def samples_of(queries: list[list[int]], responses: list[list[int]], pad_id: int
                    query_ids.shape[1], response_mask.bool(), torch.zeros(len(queries), dtype=torch.bool))
 
 
-def run_ours(model_dir: Path, v_head: dict[str, torch.Tensor], case: dict) -> dict:
+def run_ours(model_dir: Path, ref_dir: Path, v_head: dict[str, torch.Tensor], case: dict) -> dict:
     """Our trainer's phase on the case: ``score_experience`` then ``learn``, as ``PPOTrainer.step`` runs them."""
     cfg = PpoParams(**case["settings"])
     tokenizer = load_tokenizer(str(model_dir), ModelParams())
     policy = PolicyWithValueHead(load_causal_lm(str(model_dir), ModelParams()), cfg.critic)
     policy.v_head.load_state_dict(v_head)
-    trainer = PPOTrainer(policy, load_causal_lm(str(model_dir), ModelParams()), tokenizer,
+    trainer = PPOTrainer(policy, load_causal_lm(str(ref_dir), ModelParams()), tokenizer,
                          FixedScores(case["scores"]), cfg, torch.device("cpu"), "fp32")
     minibatches = []
     minibatch_loss = trainer.minibatch_loss
@@ -220,15 +221,17 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        model_dir = build_model(folder / "model")
+        # a reference other than the policy, so that the KL and the rewards' KL penalty are not 0
+        model_dir, ref_dir = build_model(folder / "model"), build_model(folder / "ref", seed=1)
         v_head = {"weight": torch.randn(1, 32, generator=torch.Generator().manual_seed(1)) * 0.2,
                   "bias": torch.tensor([0.1])}
         cases = [case_inputs(case, seed) for seed, case in enumerate(CASES)]
-        torch.save({"model_dir": str(model_dir), "v_head": v_head, "cases": cases}, folder / "inputs.pt")
+        torch.save({"model_dir": str(model_dir), "ref_dir": str(ref_dir), "v_head": v_head, "cases": cases},
+                   folder / "inputs.pt")
         subprocess.run([str(python), "-m", "bench.peers.trl_equivalence", str(folder)], check=True,
                        cwd=Path(__file__).resolve().parents[1], env=bench_env())
         trl = torch.load(folder / "trl.pt", weights_only=False)
-        ours = [run_ours(model_dir, v_head, case) for case in cases]
+        ours = [run_ours(model_dir, ref_dir, v_head, case) for case in cases]
     print(f"ours vs TRL 0.11.4 PPOTrainer.step: max abs difference of each quantity; {BATCH} samples, fp32, CPU")
     agree = {case.name.strip(): report(case, differences(o, t)) for case, o, t in zip(CASES, ours, trl, strict=True)}
     unexpected = [c.name.strip() for c in CASES if agree[c.name.strip()] == bool(c.why)]

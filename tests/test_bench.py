@@ -217,10 +217,11 @@ def test_equivalence_lays_out_fixed_responses_as_generate_does() -> None:
 def equivalence_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[equivalence.Case, dict, dict]:
     """One case run through our trainer twice, the second time with one weight nudged after the step."""
     case = equivalence.CASES[1]
-    model_dir = equivalence.build_model(tmp_path_factory.mktemp("equivalence"))
+    models = equivalence.build_model(tmp_path_factory.mktemp("policy")), equivalence.build_model(
+        tmp_path_factory.mktemp("ref"), seed=1)
     v_head = {"weight": torch.full((1, 32), 0.05), "bias": torch.tensor([0.1])}
     inputs = equivalence.case_inputs(case, seed=0)
-    return case, equivalence.run_ours(model_dir, v_head, inputs), equivalence.run_ours(model_dir, v_head, inputs)
+    return case, equivalence.run_ours(*models, v_head, inputs), equivalence.run_ours(*models, v_head, inputs)
 
 
 def test_equivalence_verdict_agrees_with_itself_and_sees_a_moved_weight(equivalence_run, capsys) -> None:

@@ -41,8 +41,8 @@ def run_case(inputs: dict, case: dict) -> dict:
     # from tokenizer.json alone: the saved tokenizer_config names a class that this older transformers lacks
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(inputs["model_dir"]) / "tokenizer.json"),
                                         eos_token=EOS, pad_token=EOS)
-    model, ref = (AutoModelForCausalLMWithValueHead.from_pretrained(inputs["model_dir"], summary_dropout_prob=0.0)
-                  for _ in range(2))
+    model, ref = (AutoModelForCausalLMWithValueHead.from_pretrained(inputs[key], summary_dropout_prob=0.0)
+                  for key in ("model_dir", "ref_dir"))
     with torch.no_grad():
         model.v_head.summary.weight.copy_(inputs["v_head"]["weight"])
         model.v_head.summary.bias.copy_(inputs["v_head"]["bias"])
