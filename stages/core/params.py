@@ -253,7 +253,8 @@ class PpoParams(Section):
     whiten_rewards: bool = False
     """Whiten the per-token rewards before GAE."""
     ratio_threshold: float = Field(10.0, gt=0)
-    """Skip a mini-batch's update when its mean probability ratio exceeds this."""
+    """Skip a mini-batch whose mean probability ratio exceeds this: its loss counts 0, and an optimizer step whose
+    every mini-batch is skipped is not taken (weights and optimizer state untouched; ``policy/skipped_steps``)."""
     max_grad_norm: float | None = Field(None, gt=0)
     """Gradient-norm clip of each optimizer step (null: no clipping; the norm is still logged)."""
     use_score_scaling: bool = False
