@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bench import compare, decode_step, logprob_error, ppo_step, sft_step
+from bench import compare, decode_step, equivalence, logprob_error, ppo_step, sft_step
 from bench.configs import (
     CONFIGS,
     add_common_args,
@@ -203,3 +203,45 @@ def test_sft_step_times_both_losses_on_the_same_model_and_batch(capsys, monkeypa
     assert result["speedup"] == pytest.approx(hf["s_per_step"] / ours["s_per_step"])
     # like for like: the same initial model and batch give the same loss (bf16 rounding apart)
     assert ours["first_loss"] == pytest.approx(hf["first_loss"], rel=1e-2)
+
+
+def test_equivalence_lays_out_fixed_responses_as_generate_does() -> None:
+    samples = equivalence.samples_of([[5, 6], [7, 8, 9]], [[1, 2, 3], [4]], pad_id=0)
+    assert samples.context_length == 3
+    assert samples.query_responses.tolist() == [[0, 5, 6, 1, 2, 3], [7, 8, 9, 4, 0, 0]]
+    assert samples.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+    assert samples.response_mask.tolist() == [[True, True, True], [True, False, False]]
+
+
+@pytest.fixture(scope="module")
+def equivalence_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[equivalence.Case, dict, dict]:
+    """One case run through our trainer twice, the second time with one weight nudged after the step."""
+    case = equivalence.CASES[1]
+    models = equivalence.build_model(tmp_path_factory.mktemp("policy")), equivalence.build_model(
+        tmp_path_factory.mktemp("ref"), seed=1)
+    v_head = {"weight": torch.full((1, 32), 0.05), "bias": torch.tensor([0.1])}
+    inputs = equivalence.case_inputs(case, seed=0)
+    return case, equivalence.run_ours(*models, v_head, inputs), equivalence.run_ours(*models, v_head, inputs)
+
+
+def test_equivalence_verdict_agrees_with_itself_and_sees_a_moved_weight(equivalence_run, capsys) -> None:
+    case, ours, again = equivalence_run
+    # the stats compared are those of the second record (TRL's names, in the bench); wall times differ run to run
+    again["stats"] = {k: v for k, v in again["stats"].items() if not k.startswith(("time/", "throughput/"))}
+    diffs = equivalence.differences(ours, again)
+    assert all(v == 0 for group in diffs.values() for v in group.values())  # our trainer is deterministic
+    assert equivalence.report(case, diffs)
+    name = next(n for n in again["weights"] if n.startswith("lm."))
+    largest_move = max(v for n, v in ours["moved"].items() if n.startswith("lm."))
+    again["weights"][name] = again["weights"][name] + 0.1 * largest_move
+    assert not equivalence.report(case, equivalence.differences(ours, again))
+    assert "DIFFER: unexpected" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (compare.VENVS / "trl011" / "bench-requirements.txt").exists(),
+                    reason="the TRL 0.11 venv is absent (python -m bench.compare --setup-only makes it)")
+def test_equivalence_with_trl_finds_only_the_known_differences(monkeypatch, capsys) -> None:
+    result = run_main(equivalence, [], monkeypatch, capsys)
+    assert result["unexpected"] == []
+    assert result["agree"]["4 mini-batches x 4 epochs"] and not result["agree"]["whiten_rewards, padded rows"]

@@ -12,17 +12,20 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from rlhf.models import decoding
 from rlhf.models.decoding import (
+    CAPTURE_TOLERANCE,
     GraphedDecoder,
-    SamplingParams,
-    StaticDecoder,
     decode,
     decode_dynamic,
     graphed_decoder,
-    static_decoding_supports,
+    replay_matches_eager,
+    sampling_distance,
 )
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.policy import position_ids_from
+from rlhf.models.sampling import SamplingParams
+from rlhf.models.static_decoder import StaticDecoder, static_decoding_supports
 from rlhf.pipeline.params import defaults
 from rlhf.rl.rollout import left_pad
 
@@ -153,5 +156,72 @@ def test_the_cuda_graph_replays_the_eager_static_step(lm: PreTrainedModel, name:
             assert graphed_decoder(gpu, len(queries), queries.shape[1] + NEW_TOKENS, greedy) is graphed
             sampled = seeded(0, decode, gpu, queries, mask, NEW_TOKENS, SamplingParams())
             assert sampled.shape == (len(queries), NEW_TOKENS) and sampled.max() < gpu.config.vocab_size
+    finally:
+        lm.to("cpu")
+
+
+def test_sampling_distance_is_the_largest_total_variation_between_rows() -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 50, generator=g) * 3, torch.randn(4, 50, generator=g) * 3
+    expected = max(sum(abs(p - q) for p, q in zip(ra.softmax(-1).tolist(), rb.softmax(-1).tolist(), strict=True)) / 2
+                   for ra, rb in zip(a.double(), b.double(), strict=True))
+    assert sampling_distance(a, b) == pytest.approx(expected, rel=1e-9)
+    assert sampling_distance(a, a + 7.0) < 1e-6  # logits are defined up to a shift (and fp32 rounding of it)
+    nan = a.clone()
+    nan[2, 3] = float("nan")
+    assert not sampling_distance(nan, a) <= CAPTURE_TOLERANCE  # NaN fails the check
+
+
+def first_step(lm: PreTrainedModel, queries: torch.Tensor, mask: torch.Tensor) -> StaticDecoder:
+    """A started untrimmed decoder (a captured one's shapes), on seed 0."""
+    torch.manual_seed(0)
+    decoder = StaticDecoder(lm, len(queries), 32, SamplingParams(), trim=False)
+    decoder.start(queries, mask)
+    return decoder
+
+
+@pytest.mark.parametrize("faithful", [True, False], ids=["faithful-replay", "injected-mismatch"])
+@torch.no_grad()
+def test_the_capture_check_passes_a_faithful_replay_and_catches_a_wrong_one(lm: PreTrainedModel, faithful: bool,
+                                                                           caplog) -> None:
+    queries, mask = prompts(lm, seed=6)
+    reference = first_step(lm, queries, mask)
+    reference.step()
+    decoder = first_step(lm, queries, mask)
+
+    def replay() -> torch.Tensor:  # stands in for the graph: one step, and its logits
+        decoder.step()
+        decoder.positions.add_(7)  # state the check must undo before its eager step
+        return decoder.logits if faithful else decoder.logits + 6.0 * (torch.arange(decoder.logits.shape[1]) == 0)
+
+    with caplog.at_level("WARNING", logger="rlhf.models.decoding"):
+        assert replay_matches_eager(decoder, replay) == faithful
+    assert len(caplog.records) == (0 if faithful else 1)
+    # either way the decoder is one eager step on, that step taken from the restored state
+    assert torch.equal(decoder.logits, reference.logits)
+    assert torch.equal(decoder.positions, reference.positions) and torch.equal(decoder.slot, reference.slot)
+    for ours, theirs in zip(decoder.keys + decoder.values, reference.keys + reference.values, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; the check's logic is "
+                                                          "tested on CPU above")
+def test_a_captured_step_that_fails_the_check_decodes_eagerly_from_then_on(lm: PreTrainedModel, monkeypatch,
+                                                                            caplog) -> None:
+    gpu = lm.to("cuda")
+    for key in ("key", "decoder", "failed"):
+        monkeypatch.setitem(decoding._CAPTURED, key, None if key != "failed" else False)
+    monkeypatch.setattr(decoding, "CAPTURE_TOLERANCE", -1.0)  # every replay is a mismatch
+    greedy = SamplingParams(top_k=1)
+    try:
+        queries, mask = (t.cuda() for t in prompts(gpu, seed=4))
+        with caplog.at_level("WARNING", logger="rlhf.models.decoding"):
+            tokens = seeded(0, decode, gpu, queries, mask, NEW_TOKENS, greedy)
+            again = seeded(0, decode, gpu, queries, mask, NEW_TOKENS, greedy)
+        assert len([r for r in caplog.records if "does not replay" in r.message]) == 1  # warned once
+        assert decoding._CAPTURED["failed"]
+        assert isinstance(graphed_decoder(gpu, len(queries), queries.shape[1] + NEW_TOKENS, greedy), StaticDecoder)
+        eager = seeded(0, decode, gpu, queries, mask, NEW_TOKENS, greedy, cuda_graph=False)
+        assert torch.equal(tokens, eager) and torch.equal(again, eager)
     finally:
         lm.to("cpu")

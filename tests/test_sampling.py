@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rlhf.models.decoding import SamplingParams, filter_logits, sample_tokens
+from rlhf.models.sampling import SamplingParams, filter_logits, sample_tokens
 
 V = 12
 

@@ -155,3 +155,34 @@ def test_a_nan_loss_stops(tiny_gpt2_dir: Path) -> None:
         trainer.policy.v_head.weight.fill_(float("nan"))
     with pytest.raises(TrainingError, match=r"^step 0: loss/total: the PPO loss is NaN/inf"):
         trainer.step(*batch(trainer), step=0)
+
+
+def test_a_skipped_minibatch_leaves_weights_and_optimizer_state_bit_identical(tiny_gpt2_dir: Path) -> None:
+    trainer = make_trainer(tiny_gpt2_dir, weight_decay=0.01)
+    train(trainer, 1)  # Adam's moments and the decay are live now: a step on a zero gradient would still move weights
+    weights = copy.deepcopy(trainer.policy.state_dict())
+    optimizer = copy.deepcopy(trainer.optimizer.state_dict())
+    # a mean ratio is ~1 at the first mini-batch, so every mini-batch of the next step is over this threshold
+    trainer.cfg = trainer.cfg.model_copy(update={"ratio_threshold": 0.5})
+    stats = train(trainer, 1)[0]
+    for name, tensor in trainer.policy.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+    after = trainer.optimizer.state_dict()
+    assert after["state"].keys() == optimizer["state"].keys()
+    for i, state in optimizer["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][i][key], value), (i, key)
+    n_steps = trainer.cfg.ppo_epochs * trainer.cfg.batch_size // trainer.cfg.mini_batch_size
+    assert stats["policy/skipped"] == 1.0 and stats["policy/skipped_steps"] == n_steps
+
+
+def test_experience_stats_mean_what_trls_mean(tiny_gpt2_dir: Path) -> None:
+    trainer = make_trainer(tiny_gpt2_dir, ppo_epochs=1)
+    result = trainer.step(*batch(trainer), step=0)
+    exp, stats = result.experience, result.stats
+    mask = exp.mask
+    sequences = [(-exp.logprobs[i][mask[i]]).sum().item() for i in range(len(mask))]
+    assert stats["objective/entropy"] == pytest.approx(sum(sequences) / len(sequences), rel=1e-5)
+    # TRL 0.11 legacy's ppo/mean_non_score_reward, a per-token mean, follows from ours and the mean length
+    per_token = exp.non_score_reward[mask.bool()].mean().item()
+    assert stats["objective/non_score_reward"] / stats["tokens/response_length"] == pytest.approx(per_token, rel=1e-5)

@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.eval.evaluation import sample_run, score_run
-from rlhf.models.decoding import SamplingParams
+from rlhf.models.sampling import SamplingParams
 from rlhf.models.scorers import Scorer
 from rlhf.rl.preference import preference_pairs
 from rlhf.rl.rollout import response_lengths

@@ -159,7 +159,10 @@ class PpoParams(Section):
     steps: int = Field(gt=0)
     """PPO iterations; each samples batch_size prompts (194 x 128 is one pass over the 24,895 train prompts)."""
     learning_rate: float = Field(gt=0)
-    """AdamW learning rate of the policy (and value head)."""
+    """Adam learning rate of the policy (and value head)."""
+    weight_decay: float = Field(ge=0)
+    """Decoupled (AdamW) weight decay of the PPO optimizer, on every parameter of the policy and value head. 0 is
+    TRL's PPOTrainer (plain Adam); torch's AdamW default would be 0.01."""
     batch_size: int = Field(gt=0)
     """Samples (responses) per iteration, per process: batch_size / samples_per_prompt prompts, each answered
     samples_per_prompt times."""
@@ -202,7 +205,8 @@ class PpoParams(Section):
     whiten_rewards: bool
     """Whiten the per-token rewards before GAE."""
     ratio_threshold: float = Field(gt=0)
-    """Skip a mini-batch's update when its mean probability ratio exceeds this."""
+    """Skip a mini-batch whose mean probability ratio exceeds this: its loss counts 0, and an optimizer step whose
+    every mini-batch is skipped is not taken (weights and optimizer state untouched; ``policy/skipped_steps``)."""
     max_grad_norm: float | None = Field(gt=0)
     """Gradient-norm clip of each optimizer step (null: no clipping; the norm is still logged)."""
     use_score_scaling: bool

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.models.decoding import SamplingParams, decode
+from rlhf.models.decoding import decode
 from rlhf.models.logprobs import logprobs_and_entropy
 from rlhf.models.policy import PolicyWithValueHead, response_logits
+from rlhf.models.sampling import SamplingParams
 
 
 @dataclass

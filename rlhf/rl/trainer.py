@@ -77,7 +77,8 @@ class PPOTrainer:
     def __post_init__(self) -> None:
         cfg = self.cfg
         # fused: one kernel over all parameters instead of a dozen passes per step (the gain: benchmark notes)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.learning_rate, fused=True)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.learning_rate,
+                                           weight_decay=cfg.weight_decay, fused=True)
         # the update's forward and backward go through this one: DDP-wrapped by accelerate so that gradients are
         # averaged over processes, else the policy itself (sampling and saving use the unwrapped policy)
         self.wrapped_policy: torch.nn.Module = self.policy
@@ -97,6 +98,11 @@ class PPOTrainer:
         timings: dict[str, float] = {}
         # 1-5. generate, score, forward policy and reference, shape rewards, advantages
         experience = self.make_experience(query_ids, queries, step, timings)
+        return self.learn(experience, step, timings)
+
+    def learn(self, experience: Experience | None, step: int, timings: dict[str, float]) -> StepResult:
+        """6-7 of the iteration, on ``experience`` (None: a skipped batch, counted): the update, then the KL
+        controller; its stats, those of the experience and the ``timings`` of all phases."""
         if experience is None:
             self.skipped_batches += 1
             return StepResult({"ppo/skipped_batches": float(self.skipped_batches)}, None)
@@ -127,6 +133,13 @@ class PPOTrainer:
             with self.autocast():
                 samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
             responses_text = decode_responses(self.tokenizer, samples)
+        return self.score_experience(samples, queries, responses_text, step, timings)
+
+    def score_experience(self, samples: Samples, queries: list[str], responses_text: list[str], step: int,
+                         timings: dict[str, float]) -> Experience | None:
+        """2-5 of the iteration on sampled responses: score, forward policy and reference, rewards, advantages;
+        None where ppo.nan_policy skips a NaN/inf score."""
+        cfg = self.cfg
         with self.timer(timings, "score"):
             raw_scores = self.scorer(queries, responses_text).to(self.device)
             if not self.finite(raw_scores, step, "score", "the reward scorer returned NaN/inf"):
@@ -149,7 +162,12 @@ class PPOTrainer:
                           non_score_reward, kl, advantages, returns, out.entropy)
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
-        """``ppo_epochs`` passes over shuffled minibatches; gradients accumulate over micro-batches."""
+        """``ppo_epochs`` passes over shuffled minibatches; gradients accumulate over micro-batches.
+
+        An optimizer step whose every mini-batch was skipped (mean ratio above ppo.ratio_threshold) is not taken:
+        weights and optimizer state stay as they were (Adam's momentum would otherwise still move the weights, as it
+        does in TRL 0.11, which only zeroes the loss); ``policy/skipped_steps`` counts them.
+        """
         cfg = self.cfg
         self.wrapped_policy.train()
         B = len(exp.scores)
@@ -159,17 +177,25 @@ class PPOTrainer:
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(B)
             for start in range(0, B, micro * cfg.gradient_accumulation_steps):
+                group = []
                 for mb_start in range(start, start + micro * cfg.gradient_accumulation_steps, micro):
                     mb = order[mb_start: mb_start + micro].to(self.device)
                     loss, mb_stats = self.minibatch_loss(exp, mb)
                     self.finite(loss, step, "loss/total", "the PPO loss is NaN/inf", always_stop=True)
                     self.backward(loss / cfg.gradient_accumulation_steps)
-                    stats.append(mb_stats)
-                grad_norms.append(self.optimizer_step(step))
+                    group.append(mb_stats)
+                stats += group
+                # every process must agree, or their weights would part: skipped only where all processes skipped
+                if self.mean_over_processes(torch.stack([s["policy/skipped"] for s in group]).min()) == 1.0:
+                    self.optimizer.zero_grad(set_to_none=True)
+                else:
+                    grad_norms.append(self.optimizer_step(step))
         self.wrapped_policy.eval()
         mean = {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
         mean["policy/ratio_max"] = max(s["val/ratio_max"].item() for s in stats)
-        mean["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        n_steps = cfg.ppo_epochs * B // (micro * cfg.gradient_accumulation_steps)
+        mean["policy/skipped_steps"] = float(n_steps - len(grad_norms))
+        mean["policy/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0  # none applied
         return mean
 
     def minibatch_loss(self, exp: Experience, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -184,7 +210,13 @@ class PPOTrainer:
                                    exp.advantages[mb], exp.returns[mb] if critic else None, mb_samples.response_mask,
                                    cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.ratio_threshold,
                                    exp.ref_logprobs[mb], cfg.kl_loss_coef)
-        stats["policy/entropy"] = ppo.masked_mean(out.entropy, mb_samples.response_mask)
+        mask = mb_samples.response_mask
+        stats["policy/entropy"] = ppo.masked_mean(out.entropy, mask)
+        # TRL 0.11's ppo/val/mean and ppo/returns/mean: the mean over mini-batches of each one's masked mean
+        if critic:
+            stats["val/mean"] = ppo.masked_mean(exp.values[mb], mask)
+        if exp.returns is not None:
+            stats["val/returns"] = ppo.masked_mean(exp.returns[mb], mask)
         return loss, stats
 
     def optimizer_step(self, step: int) -> float:
@@ -232,22 +264,23 @@ class PPOTrainer:
         return _Timer(timings, name, self.device)
 
     def experience_stats(self, exp: Experience, mean_kl: float, kl_coef: float) -> dict[str, float]:
-        """The batch's stats; ``val/mean`` only with a critic, ``val/returns`` only where the estimator has returns."""
+        """The batch's stats. Those named like TRL 0.11's mean what TRL's mean: ``objective/entropy`` is the mean
+        over samples of the sequence's summed -logprob (a one-sample estimate of the sequence entropy), and
+        ``objective/non_score_reward`` the mean over samples of the summed KL penalty (PPOv2Trainer's; the legacy
+        trainer's ``ppo/mean_non_score_reward``, a per-token mean, is this / ``tokens/response_length``).
+        ``objective/token_entropy`` is the exact entropy of the rollout policy, averaged over the real tokens."""
         mask = exp.mask
-        stats = {
+        return {
             "objective/scores": exp.scores.mean().item(),
             "objective/scores_std": exp.scores.std().item() if len(exp.scores) > 1 else 0.0,
             "objective/kl": mean_kl,
             "objective/kl_coef": kl_coef,
             "objective/non_score_reward": exp.non_score_reward.sum(1).mean().item(),
-            "objective/entropy": ppo.masked_mean(exp.entropy, mask).item(),
+            "objective/entropy": (-exp.logprobs * mask).sum(1).mean().item(),
+            "objective/token_entropy": ppo.masked_mean(exp.entropy, mask).item(),
+            "val/num_eos_tokens": exp.samples.has_eos.sum().item(),
+            "tokens/response_length": mask.sum(1).float().mean().item(),
         }
-        if exp.values is not None:
-            stats["val/mean"] = ppo.masked_mean(exp.values, mask).item()
-        if exp.returns is not None:
-            stats["val/returns"] = ppo.masked_mean(exp.returns, mask).item()
-        return stats | {"val/num_eos_tokens": exp.samples.has_eos.sum().item(),
-                        "tokens/response_length": mask.sum(1).float().mean().item()}
 
     # --- checkpointing ---------------------------------------------------------------------------------------------
 
