@@ -53,6 +53,13 @@ def make_split(n: int, seed: int, labelled: bool = True, short_every: int = 10) 
     return pd.DataFrame(rows)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's --dist load hands each worker a quarter of its share of the (sorted, below) tests at once: the
+    # first worker would get every slow test; one at a time, each worker takes the next test when it is free
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("maxschedchunk") is None:
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slow tests first, then those on a ``project`` copy (subprocesses, DVC), then the rest (stable: file order
     within each), so that under ``--dist load`` the workers start on the long tests and the many short ones fill in
