@@ -20,6 +20,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# under pytest-xdist each worker gets its share of the cores for torch (set before torch loads; the stage
+# subprocesses the tests start inherit it): workers on threads of their own would fight over the same cores
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, str(max(1, (os.cpu_count() or 1) // int(workers))))
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -46,6 +51,21 @@ def make_split(n: int, seed: int, labelled: bool = True, short_every: int = 10) 
         rating = (rng.randint(7, 10) if label == 1 else rng.randint(1, 4)) if labelled else 0
         rows.append({"text": review, "label": label, "rating": rating, "review_id": f"r{seed}_{i}"})
     return pd.DataFrame(rows)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's --dist load hands each worker a quarter of its share of the (sorted, below) tests at once: the
+    # first worker would get every slow test; one at a time, each worker takes the next test when it is free
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("maxschedchunk") is None:
+        config.option.maxschedchunk = 1
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first, then those on a ``project`` copy (subprocesses, DVC), then the rest (stable: file order
+    within each), so that under ``--dist load`` the workers start on the long tests and the many short ones fill in
+    at the end: the workers finish together."""
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
+                                 "project" not in getattr(item, "fixturenames", ())))
 
 
 @pytest.fixture(scope="session")
@@ -143,10 +163,10 @@ PROJECT_FILES = ["dvc.yaml", "params.yaml", "pyproject.toml", "stages", "rlhf", 
                  ".dvc/plots", "data/raw/.gitkeep", "metrics/frontier/chart/.keep.yaml"]
 
 
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
-    """A fresh git + DVC copy of the project's pipeline files in a temp dir (for dvc repro / dvc exp tests)."""
-    dest = tmp_path / "project"
+@pytest.fixture(scope="session")
+def project_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's pipeline files committed in a fresh git + DVC repo, built once a session for ``project``."""
+    dest = tmp_path_factory.mktemp("template") / "project"
     dest.mkdir()
     for name in PROJECT_FILES:
         src = ROOT / name
@@ -166,6 +186,12 @@ def project(tmp_path: Path) -> Path:
     subprocess.run(["git", "add", "-A"], cwd=dest, check=True, env=env)
     subprocess.run(["git", "commit", "-qm", "init"], cwd=dest, check=True, env=env)
     return dest
+
+
+@pytest.fixture
+def project(tmp_path: Path, project_template: Path) -> Path:
+    """A fresh git + DVC copy of the project's pipeline files in a temp dir (for dvc repro / dvc exp tests)."""
+    return Path(shutil.copytree(project_template, tmp_path / "project", symlinks=True))
 
 
 def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -3,7 +3,7 @@ leaves every previous output as it was (checkpoints aside).
 
 Faults go into the real code paths: a truncated or empty safetensors file, an output folder the OS refuses to write
 to (``chattr +i`` when the tests run as root, whom chmod does not stop; chmod otherwise), and faults raised inside a
-running stage by tests/fault.py, which counts the stage's function calls from outside its code (``sys.settrace``) and
+running stage by tests/fault.py, which counts the stage's function calls from outside its code (``sys.setprofile``) and
 raises at the N-th: torch.OutOfMemoryError, OSError(ENOSPC) from the writers (safetensors, pyarrow), Ctrl-C, a bug.
 
 The random-point test draws where (and what) to fail from a generator seeded by the FAULT_SEED environment variable

@@ -30,6 +30,7 @@ from helpers import leftovers, run, run_cli, snapshot, training_project
 from safetensors.torch import load_file
 
 from rlhf.pipeline.errors import TrainingError
+from stages import evaluate as evaluate_stage
 from stages import ppo as ppo_stage
 
 CHECKPOINTS = "data/checkpoints/ppo"
@@ -65,14 +66,17 @@ def newest_checkpoint(project: Path, stage: str = "ppo") -> str | None:
 
 
 def start(project: Path, stage: str) -> subprocess.Popen:
+    """The stage in a subprocess that takes Ctrl-C as a terminal delivers it, even where the tests run in a shell's
+    background job (which starts its children with SIGINT ignored, so Python would never raise KeyboardInterrupt)."""
     return subprocess.Popen([sys.executable, "-m", f"stages.{stage}"], cwd=project, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(project)})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(project)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def kill_after_progress(project: Path, delay: float, stage: str = "ppo", how: int = signal.SIGKILL) -> str | None:
     """Start the stage, wait for a checkpoint newer than the one it resumed from, then send it ``how`` (SIGKILL, or
     SIGINT: Ctrl-C) after a random delay (mid-step, mid-flush or mid-save). Returns the newest checkpoint left behind
-    (None: the run finished)."""
+    (None: the run finished first, a valid outcome: its outputs are complete and it kept no checkpoint)."""
     before = newest_checkpoint(project, stage)
     process = start(project, stage)
     deadline = time.monotonic() + 120
@@ -84,7 +88,9 @@ def kill_after_progress(project: Path, delay: float, stage: str = "ppo", how: in
         assert process.returncode == 0, process.stderr.read()
         return None
     os.kill(process.pid, how)
-    process.wait()
+    if process.wait() == 0:  # it finished between the poll and the signal
+        assert newest_checkpoint(project, stage) is None
+        return None
     left = newest_checkpoint(project, stage)
     if how == signal.SIGINT:  # one line, no traceback, naming the checkpoint a rerun resumes from
         stderr = process.stderr.read()
@@ -92,6 +98,17 @@ def kill_after_progress(project: Path, delay: float, stage: str = "ppo", how: in
         assert re.fullmatch(rf"interrupted( at step \d+)?; checkpoint data/checkpoints/{stage}/{left} kept; "
                             "rerun to resume", stderr.strip().splitlines()[-1]), stderr
     return left
+
+
+def stop_mid_run(project: Path, stage: str = "ppo", how: int = signal.SIGKILL, tries: int = 3) -> str:
+    """``kill_after_progress`` right after the first new checkpoint, again (on a fresh run) while the run finished
+    before the signal landed; the checkpoint left behind."""
+    for _ in range(tries):
+        left = kill_after_progress(project, 0.0, stage, how)
+        if left is not None:
+            return left
+        print("the run finished before the signal; again")
+    pytest.fail(f"{tries} runs of {stage} all finished before the signal landed")
 
 
 def outputs(project: Path) -> dict[str, object]:
@@ -113,19 +130,19 @@ def outputs(project: Path) -> dict[str, object]:
 
 @pytest.mark.slow
 def test_killed_runs_resume_to_the_uninterrupted_result(resumable_project: Path, tmp_path: Path,
-                                                        kill_delays: random.Random) -> None:
+                                                        kill_delays: random.Random,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     reference = tmp_path / "uninterrupted"
     shutil.copytree(resumable_project, reference)
     result = run(reference)
     assert result.returncode == 0, result.stderr
     assert not (reference / CHECKPOINTS).exists(), "a completed run keeps no checkpoints"
 
-    # the first stop right after a checkpoint appears, so that one surely lands mid-run: a Ctrl-C; then two kill -9 at
-    # random moments
+    # the first stop right after a checkpoint appears, so that one lands mid-run (on a fresh run if the run won the
+    # race): a Ctrl-C; then two kill -9 at random moments
     delays = draw_delays(kill_delays, 0.0, 2, 0.6)
-    left = [kill_after_progress(resumable_project, delay, how=how)
-            for delay, how in zip(delays, [signal.SIGINT, signal.SIGKILL, signal.SIGKILL], strict=True)]
-    assert any(left), "no kill left a checkpoint to resume from"
+    left = [stop_mid_run(resumable_project, how=signal.SIGINT)]
+    left += [kill_after_progress(resumable_project, delay) for delay in delays[1:]]
     result = run(resumable_project)
     assert result.returncode == 0, result.stderr
     if left[-1] is not None:
@@ -142,20 +159,10 @@ def test_killed_runs_resume_to_the_uninterrupted_result(resumable_project: Path,
     # and so evaluate reports the same metrics for both policies
     for project in (resumable_project, reference):
         shutil.copy(project / "data/prompts/train.parquet", project / "data/prompts/eval.parquet")
-        result = run_cli(project, "evaluate")
-        assert result.returncode == 0, result.stderr
+        monkeypatch.chdir(project)
+        evaluate_stage.main()
     assert (json.loads((resumable_project / "metrics/eval.json").read_text())
             == json.loads((reference / "metrics/eval.json").read_text()))
-
-
-@pytest.mark.slow
-def test_a_changed_param_ignores_the_old_checkpoint(resumable_project: Path) -> None:
-    assert kill_after_progress(resumable_project, delay=0.0) is not None
-    set_params(resumable_project, **{"ppo.learning_rate": 1e-3, "ppo.steps": 4})
-    result = run(resumable_project)
-    assert result.returncode == 0, result.stderr
-    assert "another run's checkpoint" in result.stderr and "resuming" not in result.stderr
-    assert sorted(pd.read_parquet(resumable_project / "data/rollouts")["step"].unique()) == [0, 1, 2, 3]
 
 
 class LengthScorer:
@@ -177,6 +184,27 @@ class LengthScorer:
 def score_with(monkeypatch: pytest.MonkeyPatch, scorer: LengthScorer) -> None:
     """The ppo stage scores with ``scorer`` instead of the reward model."""
     monkeypatch.setattr(ppo_stage, "make_reward_scorer", lambda params, device: scorer)
+
+
+@pytest.mark.slow
+def test_a_changed_param_ignores_the_old_checkpoint(ppo_project: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A run stopped after its step-3 checkpoint (by a NaN score, in-process: the kill tests cover stops from
+    outside), then rerun with another learning rate, starts afresh and removes that checkpoint."""
+    set_params(ppo_project, **{"ppo.steps": 8, "ppo.checkpoint_every": 2})
+    monkeypatch.chdir(ppo_project)
+    score_with(monkeypatch, LengthScorer(nan_call=6))
+    with pytest.raises(TrainingError):
+        ppo_stage.main()
+    assert newest_checkpoint(ppo_project) == "step-000003"
+
+    set_params(ppo_project, **{"ppo.learning_rate": 1e-3, "ppo.steps": 4})
+    caplog.set_level("INFO")
+    score_with(monkeypatch, LengthScorer())
+    ppo_stage.main()
+    assert "another run's checkpoint" in caplog.text and "resuming" not in caplog.text
+    assert sorted(pd.read_parquet("data/rollouts")["step"].unique()) == [0, 1, 2, 3]
+    assert not Path(CHECKPOINTS).exists()
 
 
 @pytest.mark.slow
@@ -262,9 +290,9 @@ def test_a_killed_sft_or_reward_run_resumes_to_the_uninterrupted_result(
     result = run_cli(reference, stage)
     assert result.returncode == 0, result.stderr
 
-    # the first kill comes right after a checkpoint (these runs are short after start-up), the second at random
-    left = [kill_after_progress(project, delay, stage) for delay in draw_delays(kill_delays, 0.0, 1, 0.3)]
-    assert any(left), "no kill left a checkpoint to resume from"
+    # the first kill comes right after a checkpoint (on a fresh run if the run won the race), the second at random
+    left = [stop_mid_run(project, stage)]
+    left += [kill_after_progress(project, delay, stage) for delay in draw_delays(kill_delays, 0.0, 1, 0.3)[1:]]
     result = run_cli(project, stage)
     assert result.returncode == 0, result.stderr
     if left[-1] is not None:
