@@ -19,7 +19,7 @@ import pyarrow as pa
 from stages.core.errors import ModelError, run_stage
 from stages.core.evaluation import REWARD, evaluate_policy, markdown_report
 from stages.core.io import StagedOutputs, seed_everything, write_json, write_parquet, write_text
-from stages.core.modeling import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
+from stages.core.modeling import check_vocab_match, initial_tokenizer, load_causal_lm
 from stages.core.params import Params, load_params
 from stages.core.paths import (
     EVAL_HISTOGRAM,
@@ -52,7 +52,7 @@ def describe(params: Params, n: int) -> str:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    with StagedOutputs(STAGE_OUTPUTS["evaluate"]) as outputs:
+    with StagedOutputs(STAGE_OUTPUTS["evaluate"], "evaluate") as outputs:
         evaluate(params, outputs)
 
 
@@ -66,16 +66,15 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
     scorers = {REWARD: make_reward_scorer(params, device)}
     for i, (name, spec) in enumerate(zip(names, params.evaluate.judges, strict=True)):
         scorers[name] = make_scorer(spec, params, device, what=f"evaluate.judges[{i}]")
-    path, tokenizer_path, what = initial_policy(params)
-    tokenizer = load_tokenizer(tokenizer_path, params.model,
-                               what=what if path == tokenizer_path else "model.tokenizer")
+    path, what, tokenizer = initial_tokenizer(params)
     reference = load_causal_lm(path, params.model, what=what).to(device).eval()
     if not (POLICY_DIR / "config.json").exists():
         raise ModelError(f"{POLICY_DIR}: no trained policy here (run the ppo stage)")
     policy = load_causal_lm(str(POLICY_DIR), params.model, what=str(POLICY_DIR)).to(device).eval()
     check_vocab_match(tokenizer, reference, what)
     check_vocab_match(tokenizer, policy, str(POLICY_DIR))
-    check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens)
+    check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens,
+                  f"the reference model ({what})")
 
     metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts.queries, prompts.input_ids,
                                        params)

@@ -37,7 +37,7 @@ from stages.core import checkpoint
 from stages.core.batches import Batches, ShuffledBatches
 from stages.core.errors import DataError, ModelError, interrupted_at, run_stage
 from stages.core.io import StagedOutputs, seed_everything, write_json
-from stages.core.modeling import check_vocab_match, context_size, initial_policy, load_causal_lm, load_tokenizer
+from stages.core.modeling import check_vocab_match, context_size, initial_tokenizer, load_causal_lm
 from stages.core.params import Params, load_params
 from stages.core.paths import POLICY_DIR, PPO_CURVES, PPO_METRICS, ROLLOUTS_DIR, STAGE_OUTPUTS, TRAIN_PROMPTS
 from stages.core.policy import PolicyWithValueHead, disable_dropout, save_policy
@@ -70,7 +70,8 @@ def main() -> None:
         log.info("ppo: advantage_estimator %s ignores %s", cfg.advantage_estimator, ", ".join(cfg.unused_keys))
     accelerator = Accelerator(cpu=pick_device().type == "cpu")
     # only the main process writes outputs
-    with StagedOutputs(STAGE_OUTPUTS["ppo"]) if accelerator.is_main_process else contextlib.nullcontext() as outputs:
+    staged = StagedOutputs(STAGE_OUTPUTS["ppo"], "ppo") if accelerator.is_main_process else contextlib.nullcontext()
+    with staged as outputs:
         run(params, prompts, accelerator, outputs)
 
 
@@ -79,12 +80,12 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
     process but the main one)."""
     cfg = params.ppo
     device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
+    scorer = make_reward_scorer(params, device)  # first: a model that cannot score is refused from its config
     seed_everything(params.seed + rank)
     policy, ref, tokenizer = load_models(params, device)
     if is_main:
         outputs.check_free_space(POLICY_DIR, checkpoint.weights_bytes(policy))
-    check_prompts(TRAIN_PROMPTS, prompts, tokenizer, policy.lm, cfg.response_max_tokens)
-    scorer = make_reward_scorer(params, device)
+    check_prompts(TRAIN_PROMPTS, prompts, tokenizer, policy.lm, cfg.response_max_tokens, "the policy")
     trainer = PPOTrainer(policy, ref, tokenizer, scorer, cfg, device, params.model.precision,
                          accelerator if accelerator.num_processes > 1 else None,
                          length_generator=torch.Generator().manual_seed(params.seed + rank))
@@ -106,16 +107,12 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
                    **{k: v for k, v in last.items() if k.startswith(("objective/", "throughput/"))}}
         write_json(summary, outputs[PPO_METRICS])
         log.info("ppo: %s", summary)
-        if ckpt is not None:
-            checkpoint.clear(ckpt.folder)
 
 
 def load_models(params: Params,
                 device: torch.device) -> tuple[PolicyWithValueHead, PreTrainedModel, PreTrainedTokenizerBase]:
     """Policy (+ value head), frozen reference and tokenizer, checked against each other and the prompt lengths."""
-    path, tokenizer_path, what = initial_policy(params)
-    tokenizer = load_tokenizer(tokenizer_path, params.model, what=what if path == tokenizer_path else
-                               "model.tokenizer")
+    path, what, tokenizer = initial_tokenizer(params)
     lm = load_causal_lm(path, params.model, what=what)
     ref = load_causal_lm(path, params.model, what=what)
     check_vocab_match(tokenizer, lm, "model.tokenizer")

@@ -32,7 +32,7 @@ log = logging.getLogger("prepare")
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    with StagedOutputs(STAGE_OUTPUTS["prepare"]) as outputs:
+    with StagedOutputs(STAGE_OUTPUTS["prepare"], "prepare") as outputs:
         prepare(params, outputs)
 
 
@@ -45,6 +45,11 @@ def prepare(params: Params, outputs: StagedOutputs) -> None:
         warn_if_untracked(p.pairs_source, "prepare.pairs_source")
     tokenizer = load_tokenizer(params.tokenizer_path, params.model,
                                what="model.tokenizer" if params.model.tokenizer else "model.policy")
+    if not from_imdb:  # read and checked before the reviews are tokenized
+        pairs = read_pairs_file(Path(p.pairs_source), generator(params.seed, "pairs/split"))
+        log.info("prepare: %d train / %d test pairs from prepare.pairs_source %s (prepare.train_pairs, test_pairs, "
+                 "pair_min_tokens, pair_max_tokens and pairs_by_rating apply to imdb pairs only)",
+                 pairs["train"].num_rows, pairs["test"].num_rows, p.pairs_source)
 
     splits = load_imdb(source, params.data.revision, ["train", "test"])
     reviews = {name: filter_reviews(frame, p.min_review_chars, f"{source} [{name}]") for name, frame in splits.items()}
@@ -60,8 +65,6 @@ def prepare(params: Params, outputs: StagedOutputs) -> None:
         pairs = {split: build_pairs(reviews[split], ids[split], tokenizer, n, p.pair_min_tokens, p.pair_max_tokens,
                                     p.pairs_by_rating, generator(params.seed, f"pairs/{split}"), f"{source} [{split}]")
                  for split, n in (("train", p.train_pairs), ("test", p.test_pairs))}
-    else:
-        pairs = read_pairs_file(Path(p.pairs_source), generator(params.seed, "pairs/split"))
 
     for folder, tables in ((PROMPTS_DIR, prompts), (PAIRS_DIR, pairs)):
         with atomic_path(outputs[folder]) as tmp:

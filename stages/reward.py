@@ -17,7 +17,7 @@ from stages.core.checkpoint import weights_bytes
 from stages.core.errors import DataError, run_stage
 from stages.core.io import StagedOutputs, atomic_path, seed_everything, write_json, write_text
 from stages.core.params import Params, load_params
-from stages.core.paths import REWARD_DIR, REWARD_METRICS, REWARD_SCORES, STAGE_OUTPUTS, TEST_PAIRS, TRAIN_PAIRS
+from stages.core.paths import REWARD_DIR, REWARD_METRICS, REWARD_SCORES, TEST_PAIRS, TRAIN_PAIRS
 from stages.core.plots import histogram
 from stages.core.reward_model import build, evaluate, read_pairs, train
 from stages.core.training import pick_device, run_switchable
@@ -26,7 +26,7 @@ from stages.core.training import pick_device, run_switchable
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    run_switchable(STAGE_OUTPUTS["reward"], params.reward.train, lambda outputs: train_reward(params, outputs),
+    run_switchable("reward", params.reward.train, lambda outputs: train_reward(params, outputs),
                    REWARD_DIR, "reward.train is false: ppo and evaluate score with reward.model",
                    {REWARD_METRICS: '{"trained": false}\n', REWARD_SCORES: "score,positive,negative\n"})
 

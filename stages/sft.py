@@ -22,7 +22,7 @@ from stages.core.errors import run_stage
 from stages.core.io import StagedOutputs, atomic_path, seed_everything, write_json, write_text
 from stages.core.modeling import check_vocab_match, load_tokenizer
 from stages.core.params import Params, load_params
-from stages.core.paths import SFT_DIR, SFT_LOSS, SFT_METRICS, STAGE_OUTPUTS
+from stages.core.paths import SFT_DIR, SFT_LOSS, SFT_METRICS
 from stages.core.sft import build_model, pack, perplexity, tokens_per_step, train
 from stages.core.training import pick_device, run_switchable
 
@@ -32,7 +32,7 @@ EVAL_BATCH = 16
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    run_switchable(STAGE_OUTPUTS["sft"], params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
+    run_switchable("sft", params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
                    "sft.enabled is false: ppo and evaluate use model.policy",
                    {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
 

@@ -4,7 +4,8 @@ DVC deletes a stage's outputs before it runs, so checkpoints live in ``data/chec
 DVC output). Each is a folder ``step-NNNNNN`` written to a temporary sibling and renamed into place (io.atomic_path),
 so a kill at any moment leaves the previous checkpoint or the new one, never half of one. Its ``state.json`` carries a
 fingerprint of everything that determines the run (params, input files, code, library versions, process count); a
-checkpoint with another fingerprint belongs to another run and is removed. A completed run deletes its checkpoints.
+checkpoint with another fingerprint belongs to another run and is removed. A completed run deletes its
+checkpoints once its outputs are in place (io.StagedOutputs).
 
 Layout of a checkpoint:
     model.safetensors   every weight of the trained module (policy, and value head and critic where trained)
@@ -136,12 +137,18 @@ def checkpoint_bytes(model: torch.nn.Module) -> int:
     return weights_bytes(model) + ADAM_MOMENTS * trainable
 
 
-def check_free_space(folder: Path, needed: int, key: str) -> None:
-    """Stop before training when ``folder`` is not writable or its disk cannot hold two checkpoints (the new one is
-    written before the old one is removed)."""
+def check_free_space(folder: Path, needed: int, key: str, fingerprint: str) -> None:
+    """Stop before training when ``folder`` is not writable or its disk cannot hold the run's checkpoints: two of
+    ``needed`` bytes (the new one is written before the old one is removed), less the checkpoints already there
+    (this run's newest goes after the next save, other runs' go now). With one of this run's own there, the advice
+    keeps the params as they are: changing them would restart the run at step 0."""
     check_writable(folder, folder)
-    io_check_free_space(folder, 2 * needed, key, "checkpoints need",
-                        f" (free space, or set {key}: 0 to train without them)")
+    kept = checkpoints(folder)
+    on_disk = sum(file.stat().st_size for path in kept for file in path.rglob("*") if file.is_file())
+    own = [path for path in kept if read_state(path).get("fingerprint") == fingerprint]
+    hint = (f" (free space to resume from {own[-1]}; a change to the params would restart at step 0)" if own
+            else f" (free space, or set {key}: 0 to train without them)")
+    io_check_free_space(folder, max(needed, 2 * needed - on_disk), key, "checkpoints need", hint)
 
 
 def save(folder: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any], state: dict[str, Any],
@@ -211,7 +218,3 @@ def restore_files(checkpoint: Checkpoint, files: dict[str, Path]) -> None:
         if source.exists():
             shutil.copytree(source, target)
 
-
-def clear(folder: Path) -> None:
-    """A completed run needs no checkpoints."""
-    shutil.rmtree(folder, ignore_errors=True)

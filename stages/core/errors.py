@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import re
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,21 +105,53 @@ def interrupted_message(stage: str, step: int | None) -> str:
     return f"interrupted{where}; " + (f"checkpoint {kept[-1]} kept; rerun to resume" if kept else "nothing written")
 
 
+def stop_signals(handler: Callable[[int, object], None] | int) -> None:
+    """Ctrl-C (SIGINT) and a scheduler's or ``kill``'s stop (SIGTERM) alike get ``handler``."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
+
+
+STOP_SIGNAL = [signal.SIGINT]  # the signal that stopped the run, for the message and the exit status
+
+
+def raise_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM reads like Ctrl-C: a KeyboardInterrupt where the stage is, so it keeps its checkpoint."""
+    STOP_SIGNAL[0] = signal.Signals(signum)
+    raise KeyboardInterrupt
+
+
+def check_no_arguments(main: Callable[[], None]) -> None:
+    """A stage reads params.yaml only: an argument it would ignore (``--steps 10``) is refused, not dropped."""
+    module = sys.modules[main.__module__]
+    if stage_help(main) is not None and sys.argv[1:]:
+        name = f"python -m {module.__spec__.name if module.__spec__ else Path(module.__file__).stem}"
+        print(f"error: {name} takes no arguments but -h (got {' '.join(sys.argv[1:])}): set params in params.yaml "
+              "or with dvc exp run -S key=value", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def run_stage(main: Callable[[], None]) -> None:
     """Run a stage's ``main``; a PipelineError, a full disk or GPU out-of-memory becomes ``error: <message>`` on
-    stderr and exit status 1, Ctrl-C one ``interrupted ...`` line and exit status 130.
+    stderr and exit status 1, Ctrl-C or SIGTERM one ``interrupted ...`` line and exit status 130 (143).
 
-    Anything else is a bug and keeps its traceback. ``-h`` / ``--help`` prints ``stage_help`` and runs nothing.
+    Anything else is a bug and keeps its traceback. ``-h`` / ``--help`` prints ``stage_help`` and runs nothing; any
+    other argument of a stage is refused (exit status 2).
     """
     if {"-h", "--help"} & set(sys.argv[1:]) and (text := stage_help(main)) is not None:
         print(text, end="")
         raise SystemExit(0)
+    check_no_arguments(main)
     stage = Path(sys.modules[main.__module__].__file__).stem
+    stop_signals(raise_interrupt)
     try:
         main()
     except KeyboardInterrupt as e:
-        print(interrupted_message(stage, getattr(e, "step", None)), file=sys.stderr)
-        raise SystemExit(130) from None
+        stop_signals(signal.SIG_IGN)  # a second Ctrl-C must not add a traceback to the one line
+        message = interrupted_message(stage, getattr(e, "step", None))
+        if STOP_SIGNAL[0] != signal.SIGINT:
+            message = message.replace("interrupted", f"stopped by {STOP_SIGNAL[0].name}", 1)
+        print(message, file=sys.stderr)
+        raise SystemExit(128 + STOP_SIGNAL[0]) from None
     except Exception as e:
         message = one_line(e, stage)
         if message is None:

@@ -87,8 +87,6 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
             if plan.fingerprint and (step + 1) % plan.checkpoint_every == 0 and step + 1 < plan.steps:
                 save(folder, plan, step, model, optimizer, schedule, {
                     "losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})
-    if plan.fingerprint:
-        checkpoint.clear(folder)
     return FitResult(losses, earlier + time.perf_counter() - start)
 
 
@@ -103,7 +101,8 @@ def resume(folder: Path, plan: FitPlan, model: torch.nn.Module, optimizer: torch
            schedule: torch.optim.lr_scheduler.LRScheduler) -> checkpoint.Checkpoint | None:
     """Load this run's newest checkpoint into the model, optimizer, schedule and global RNGs (None: start at step 0).
     The disk is checked first, naming the checkpoint key: a checkpoint is written before the previous one goes."""
-    checkpoint.check_free_space(folder, checkpoint.checkpoint_bytes(model), f"{plan.section}.checkpoint_every")
+    checkpoint.check_free_space(folder, checkpoint.checkpoint_bytes(model), f"{plan.section}.checkpoint_every",
+                                plan.fingerprint)
     found = checkpoint.find(folder, plan.fingerprint)
     if found is None:
         return None

@@ -1,9 +1,11 @@
 """Writing outputs so that a stage either completes and replaces all of them, or fails and leaves every previous one
 as it was; and seeding.
 
-- ``StagedOutputs``: a stage declares its outputs (``paths.STAGE_OUTPUTS``) up front; their folders are checked for
-  writability before anything loads; everything is written under staging siblings and moved into place together when
-  the stage's block completes. A failure (an error, Ctrl-C, a full disk) deletes the staging and touches no output.
+- ``StagedOutputs``: a stage declares its outputs (``paths.STAGE_OUTPUTS``) up front; it holds the stage's lock (one
+  run of a stage per workspace), and checks that their folders are writable and every previous output can be moved
+  aside, before anything loads; everything is written under staging siblings and moved into place together when the
+  stage's block completes, and only then are the stage's checkpoints deleted. A failure (an error, Ctrl-C, a full
+  disk) deletes the staging and touches no output.
 - ``atomic_path``: one file or folder written to a temporary sibling and renamed into place, with the user's umask,
   a full disk reported as ``disk full writing <output>``.
 """
@@ -11,6 +13,7 @@ as it was; and seeding.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -27,7 +30,7 @@ import pyarrow.parquet as pq
 import torch
 
 from stages.core.errors import DiskFull, PipelineError, is_disk_full
-from stages.core.paths import output_path, staging_path
+from stages.core.paths import CHECKPOINTS_DIR, output_path, staging_path
 
 UMASK = os.umask(0o022)
 os.umask(UMASK)
@@ -130,6 +133,37 @@ def check_writable(folder: Path, output: Path) -> None:
         raise PipelineError(f"{output}: cannot write in {folder}/ ({e.strerror}); nothing was run") from None
 
 
+def check_movable(output: Path) -> None:
+    """Move an existing ``output`` aside and back, as the final replacement will (an immutable output or one on a
+    read-only mount fails here, before the run, not after it)."""
+    if not os.path.lexists(output):
+        return
+    aside = replaced_path(output)
+    try:
+        os.replace(output, aside)
+    except OSError as e:
+        raise PipelineError(f"{output}: cannot be replaced ({e.strerror}); nothing was run") from None
+    os.replace(aside, output)
+
+
+def lock_stage(stage: str) -> int:
+    """Hold ``data/checkpoints/.<stage>.lock`` until the process ends (the OS releases it, even after a kill -9), or
+    refuse in one line while another process of this workspace holds it. Returns the lock's descriptor."""
+    path = CHECKPOINTS_DIR / f".{stage}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~UMASK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise PipelineError(f"{stage}: another run of this stage is under way in this workspace (pid {holder} holds "
+                            f"{path}); wait for it or stop it") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 def replaced_path(output: Path) -> Path:
     """Where a previous output waits while the new ones move in."""
     return output.parent / f".{output.name}{REPLACED}"
@@ -138,14 +172,18 @@ def replaced_path(output: Path) -> Path:
 class StagedOutputs:
     """A stage's outputs, written under ``paths.staging_path`` siblings and moved into place together on success.
 
-    Entering checks that every output's folder is writable and clears what a killed run left behind.
-    ``outputs[path]`` is where to write ``path`` (an output or a file inside one). Leaving the block normally replaces
-    every output by its staged version (an output not written is removed); leaving it by an exception (Ctrl-C
-    included) deletes the staging and touches nothing.
+    Entering takes ``stage``'s lock (when named), checks that every output's folder is writable and every previous
+    output movable, and clears what a killed run left behind. ``outputs[path]`` is where to write ``path`` (an output
+    or a file inside one). Leaving the block normally replaces every output by its staged version (an output not
+    written is removed), then deletes ``stage``'s checkpoints (``data/checkpoints/<stage>``): a run is finished only
+    once its outputs are in place. Leaving it by an exception (Ctrl-C included) deletes the staging and touches
+    nothing.
     """
 
-    def __init__(self, outputs: Iterable[Path]) -> None:
+    def __init__(self, outputs: Iterable[Path], stage: str | None = None) -> None:
         self.outputs = [Path(p) for p in outputs]
+        self.stage = stage
+        self.lock: int | None = None
 
     def __getitem__(self, path: Path) -> Path:
         """Where to write ``path``: one of the outputs, or a file inside an output folder."""
@@ -155,6 +193,8 @@ class StagedOutputs:
         raise KeyError(f"{path} is not one of this stage's outputs")
 
     def __enter__(self) -> StagedOutputs:
+        if self.stage is not None:
+            self.lock = lock_stage(self.stage)
         for output in self.outputs:
             check_writable(output.parent, output)
         for output in self.outputs:
@@ -163,6 +203,8 @@ class StagedOutputs:
                 os.replace(backup, output)  # a kill in the middle of the final moves: the previous output returns
             remove(backup)
             remove(staging_path(output))
+        for output in self.outputs:
+            check_movable(output)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -173,8 +215,12 @@ class StagedOutputs:
             except BaseException:
                 self.discard()
                 raise
+            if self.stage is not None:
+                shutil.rmtree(CHECKPOINTS_DIR / self.stage, ignore_errors=True)  # the run is complete
         else:
             self.discard()
+        if self.lock is not None:
+            os.close(self.lock)
 
     def discard(self) -> None:
         """Delete the staging: the previous outputs stay as they were."""

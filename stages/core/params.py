@@ -22,7 +22,7 @@ from pydantic.fields import FieldInfo
 from ruamel.yaml import YAML, YAMLError
 
 from stages.core.errors import ParamsError
-from stages.core.paths import is_local
+from stages.core.paths import SPLITS, is_local
 
 PARAMS_FILE = "params.yaml"
 
@@ -167,6 +167,8 @@ class SftParams(Section):
             raise Rule("n_embd", f"must be divisible by sft.n_head ({self.n_head})", self.n_embd)
         if self.base == "scratch":
             _at_most(self, "block_size", "n_positions", "sft")
+        if unknown := [split for split in self.splits if split not in SPLITS]:
+            raise Rule("splits", f"unknown split {unknown[0]!r} (known: {', '.join(SPLITS)})", self.splits)
         if "test" in self.splits:
             raise Rule("splits", "must not contain 'test' (held out for perplexity)", self.splits)
         return self

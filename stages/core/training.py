@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from stages.core.io import StagedOutputs, atomic_path, write_text
+from stages.core.paths import STAGE_OUTPUTS
 
 DISABLED_MARKER = "DISABLED"
 
@@ -94,12 +95,12 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def run_switchable(stage_outputs: Iterable[Path], enabled: bool, train: Callable[[StagedOutputs], None], folder: Path,
+def run_switchable(stage: str, enabled: bool, train: Callable[[StagedOutputs], None], folder: Path,
                    reason: str, files: dict[Path, str]) -> None:
     """Run a stage that params can switch off, all its outputs replaced together (``StagedOutputs``): ``train`` when
     enabled; else ``folder`` holding one fixed line, so its hash (and everything downstream) stays put, plus ``files``
     (output -> fixed text: the stage's metrics and empty plot files)."""
-    with StagedOutputs(stage_outputs) as outputs:
+    with StagedOutputs(STAGE_OUTPUTS[stage], stage) as outputs:
         if enabled:
             train(outputs)
             return
