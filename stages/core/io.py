@@ -172,12 +172,12 @@ def replaced_path(output: Path) -> Path:
 class StagedOutputs:
     """A stage's outputs, written under ``paths.staging_path`` siblings and moved into place together on success.
 
-    Entering takes ``stage``'s lock (when named), checks that every output's folder is writable and every previous
-    output movable, and clears what a killed run left behind. ``outputs[path]`` is where to write ``path`` (an output
-    or a file inside one). Leaving the block normally replaces every output by its staged version (an output not
-    written is removed), then deletes ``stage``'s checkpoints (``data/checkpoints/<stage>``): a run is finished only
-    once its outputs are in place. Leaving it by an exception (Ctrl-C included) deletes the staging and touches
-    nothing.
+    Entering checks that every output's folder is writable, takes ``stage``'s lock (when named), clears what a killed
+    run left behind and checks that every previous output can be moved aside. ``outputs[path]`` is where to write
+    ``path`` (an output or a file inside one). Leaving the block normally replaces every output by its staged version
+    (an output not written is removed), then deletes ``stage``'s checkpoints (``data/checkpoints/<stage>``): a run is
+    finished only once its outputs are in place. Leaving it by an exception (Ctrl-C included) deletes the staging and
+    touches nothing.
     """
 
     def __init__(self, outputs: Iterable[Path], stage: str | None = None) -> None:
@@ -193,34 +193,44 @@ class StagedOutputs:
         raise KeyError(f"{path} is not one of this stage's outputs")
 
     def __enter__(self) -> StagedOutputs:
-        if self.stage is not None:
-            self.lock = lock_stage(self.stage)
         for output in self.outputs:
             check_writable(output.parent, output)
-        for output in self.outputs:
-            backup = replaced_path(output)
-            if os.path.lexists(backup) and not os.path.lexists(output):
-                os.replace(backup, output)  # a kill in the middle of the final moves: the previous output returns
-            remove(backup)
-            remove(staging_path(output))
-        for output in self.outputs:
-            check_movable(output)
+        if self.stage is not None:  # before the leftovers of a killed run are cleared: they may be a running one's
+            self.lock = lock_stage(self.stage)
+        try:
+            for output in self.outputs:
+                backup = replaced_path(output)
+                if os.path.lexists(backup) and not os.path.lexists(output):
+                    os.replace(backup, output)  # a kill in the middle of the final moves: the previous output returns
+                remove(backup)
+                remove(staging_path(output))
+            for output in self.outputs:
+                check_movable(output)
+        except BaseException:
+            self.unlock()
+            raise
         return self
+
+    def unlock(self) -> None:
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        if exc_type is None:
-            try:
-                self.commit()
-            except BaseException:
+        try:
+            if exc_type is None:
+                try:
+                    self.commit()
+                except BaseException:
+                    self.discard()
+                    raise
+                if self.stage is not None:
+                    shutil.rmtree(CHECKPOINTS_DIR / self.stage, ignore_errors=True)  # the run is complete
+            else:
                 self.discard()
-                raise
-            if self.stage is not None:
-                shutil.rmtree(CHECKPOINTS_DIR / self.stage, ignore_errors=True)  # the run is complete
-        else:
-            self.discard()
-        if self.lock is not None:
-            os.close(self.lock)
+        finally:
+            self.unlock()
 
     def discard(self) -> None:
         """Delete the staging: the previous outputs stay as they were."""
