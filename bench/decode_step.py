@@ -28,6 +28,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from bench.configs import CONFIGS, BenchConfig, gpt2_config_kwargs, set_threads, use_bf16
 from stages.core.decoding import SamplingParams, decode, decode_dynamic
+from stages.core.errors import run_stage
 from stages.core.modeling import fast_activations
 from stages.core.policy import disable_dropout
 from stages.core.rollout import left_pad
@@ -145,4 +146,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.configs import set_threads
+from stages.core.errors import run_stage
 from stages.core.logprobs import logprobs_and_entropy
 from stages.core.modeling import load_causal_lm, load_tokenizer
 from stages.core.params import ModelParams
@@ -140,4 +141,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

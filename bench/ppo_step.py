@@ -36,6 +36,7 @@ from bench.configs import (
     timed,
     use_bf16,
 )
+from stages.core.errors import run_stage
 from stages.core.modeling import fast_activations, load_tokenizer
 from stages.core.params import ModelParams, PpoParams, Rule
 from stages.core.policy import PolicyWithValueHead, disable_dropout
@@ -124,4 +125,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from bench.configs import set_threads
+from stages.core.errors import run_stage
 from stages.core.params import SftParams, read_yaml
 from stages.core.sft import next_token_loss, scratch_model
 from stages.core.training import autocast, mixed_precision, pick_device
@@ -119,4 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

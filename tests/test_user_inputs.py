@@ -133,7 +133,7 @@ def test_ctrl_c_while_a_stage_imports_is_one_line_and_status_130(ppo_dir: Path) 
 
 def test_sigterm_keeps_the_checkpoint_a_second_run_is_refused_and_ctrl_c_repeated_is_one_line(ppo_dir: Path) -> None:
     before = snapshot(ppo_dir, "ppo")
-    set_params(ppo_dir, **{"ppo.steps": 400})
+    set_params(ppo_dir, **{"ppo.steps": 5000})  # never finishes: every process here is stopped
     try:
         first = start(ppo_dir)
         wait_for_checkpoint(ppo_dir, first)
