@@ -27,10 +27,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from bench.configs import CONFIGS, BenchConfig, gpt2_config_kwargs, set_threads, use_bf16
-from rlhf.models.decoding import decode, decode_dynamic
+from rlhf.models.decoding import SamplingParams, decode, decode_dynamic
 from rlhf.models.loading import fast_activations
 from rlhf.models.policy import disable_dropout
-from rlhf.models.sampling import SamplingParams
+from rlhf.pipeline.cli import run_stage
 from rlhf.rl.rollout import left_pad
 from rlhf.train.precision import autocast, pick_device
 
@@ -146,4 +146,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

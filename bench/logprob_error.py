@@ -31,6 +31,7 @@ from rlhf.data.prompts import read_prompts
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.logprobs import logprobs_and_entropy
 from rlhf.models.policy import backbone_hidden, disable_dropout
+from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import defaults
 from rlhf.rl.rollout import Samples, SamplingParams, forward, generate
 from rlhf.train.precision import autocast, full_precision, pick_device
@@ -140,4 +141,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

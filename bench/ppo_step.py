@@ -38,9 +38,9 @@ from bench.configs import (
 )
 from rlhf.models.loading import fast_activations, load_tokenizer
 from rlhf.models.policy import PolicyWithValueHead, disable_dropout
+from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import defaults
-from rlhf.pipeline.schema import PpoParams
-from rlhf.pipeline.sections import Rule
+from rlhf.pipeline.schema import PpoParams, Rule
 from rlhf.rl.trainer import PPOTrainer
 from rlhf.train.precision import pick_device
 
@@ -127,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from bench.configs import set_threads
+from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.schema import SftParams
 from rlhf.pipeline.yaml_files import read_yaml
 from rlhf.train.precision import autocast, mixed_precision, pick_device
@@ -120,4 +121,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

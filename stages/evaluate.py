@@ -18,11 +18,11 @@ import pyarrow as pa
 from rlhf.data.prompts import check_prompts, read_prompts
 from rlhf.eval.evaluation import REWARD, evaluate_policy, markdown_report
 from rlhf.eval.plots import histogram
-from rlhf.models.loading import check_vocab_match, initial_policy, load_causal_lm, load_tokenizer
+from rlhf.models.loading import check_vocab_match, initial_tokenizer, load_causal_lm
 from rlhf.models.scorers import make_reward_scorer, make_scorer, reward_model_path
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ModelError
-from rlhf.pipeline.io import StagedOutputs, seed_everything, write_json, write_parquet, write_text
+from rlhf.pipeline.io import StagedOutputs, write_json, write_parquet, write_text
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import (
     EVAL_DIR,
@@ -40,10 +40,12 @@ from rlhf.pipeline.paths import (
 from rlhf.pipeline.registry import Output, Stage
 from rlhf.pipeline.schema import Params
 from rlhf.train.precision import pick_device
+from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("evaluate")
 
 STAGE = Stage(
+    __spec__.name,
     params=("seed", "model.policy", "model.tokenizer", "model.revision", "model.trust_remote_code",
             "model.allow_pickle", "sft.enabled", "reward.train", "reward.model", "reward.positive_label",
             "ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature",
@@ -68,7 +70,7 @@ def describe(params: Params, n: int) -> str:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    with StagedOutputs(STAGE.output_paths) as outputs:
+    with StagedOutputs(STAGE.output_paths, STAGE) as outputs:
         evaluate(params, outputs)
 
 
@@ -82,16 +84,15 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
     scorers = {REWARD: make_reward_scorer(params, device)}
     for i, (name, spec) in enumerate(zip(names, params.evaluate.judges, strict=True)):
         scorers[name] = make_scorer(spec, params, device, what=f"evaluate.judges[{i}]")
-    path, tokenizer_path, what = initial_policy(params)
-    tokenizer = load_tokenizer(tokenizer_path, params.model,
-                               what=what if path == tokenizer_path else "model.tokenizer")
+    path, what, tokenizer = initial_tokenizer(params)
     reference = load_causal_lm(path, params.model, what=what).to(device).eval()
     if not (POLICY_DIR / "config.json").exists():
         raise ModelError(f"{POLICY_DIR}: no trained policy here (run the ppo stage)")
     policy = load_causal_lm(str(POLICY_DIR), params.model, what=str(POLICY_DIR)).to(device).eval()
     check_vocab_match(tokenizer, reference, what)
     check_vocab_match(tokenizer, policy, str(POLICY_DIR))
-    check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens)
+    check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens,
+                  f"the reference model ({what})")
 
     metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts.queries, prompts.input_ids,
                                        params)

@@ -33,12 +33,12 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.prompts import Prompts, check_prompts, read_prompts
-from rlhf.models.loading import check_vocab_match, context_size, initial_policy, load_causal_lm, load_tokenizer
+from rlhf.models.loading import check_vocab_match, context_size, initial_tokenizer, load_causal_lm
 from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
 from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError, ModelError, interrupted_at
-from rlhf.pipeline.io import StagedOutputs, seed_everything, write_json
+from rlhf.pipeline.io import StagedOutputs, write_json
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import (
     POLICY_DIR,
@@ -58,6 +58,7 @@ from rlhf.rl.trainer import PPOTrainer
 from rlhf.train import checkpoint
 from rlhf.train.batches import Batches, ShuffledBatches
 from rlhf.train.precision import pick_device
+from rlhf.train.rng import seed_everything
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -67,6 +68,7 @@ log = logging.getLogger("ppo")
 CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
 
 STAGE = Stage(
+    __spec__.name,
     # prompt_max_tokens: ppo checks that the longest prompt plus response fits the policy's positions
     params=("seed", "model", "sft.enabled", "prepare.prompt_max_tokens", "reward.train", "reward.model",
             "reward.positive_label", "ppo"),
@@ -92,7 +94,8 @@ def main() -> None:
         log.info("ppo: advantage_estimator %s ignores %s", cfg.advantage_estimator, ", ".join(cfg.unused_keys))
     accelerator = Accelerator(cpu=pick_device().type == "cpu")
     # only the main process writes outputs
-    with StagedOutputs(STAGE.output_paths) if accelerator.is_main_process else contextlib.nullcontext() as outputs:
+    staged = StagedOutputs(STAGE.output_paths, STAGE) if accelerator.is_main_process else contextlib.nullcontext()
+    with staged as outputs:
         run(params, prompts, accelerator, outputs)
 
 
@@ -101,12 +104,12 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
     process but the main one)."""
     cfg = params.ppo
     device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
+    scorer = make_reward_scorer(params, device)  # first: a model that cannot score is refused from its config
     seed_everything(params.seed + rank)
     policy, ref, tokenizer = load_models(params, device)
     if is_main:
         outputs.check_free_space(POLICY_DIR, checkpoint.weights_bytes(policy))
-    check_prompts(TRAIN_PROMPTS, prompts, tokenizer, policy.lm, cfg.response_max_tokens)
-    scorer = make_reward_scorer(params, device)
+    check_prompts(TRAIN_PROMPTS, prompts, tokenizer, policy.lm, cfg.response_max_tokens, "the policy")
     trainer = PPOTrainer(policy, ref, tokenizer, scorer, cfg, device, params.model.precision,
                          accelerator if accelerator.num_processes > 1 else None,
                          length_generator=torch.Generator().manual_seed(params.seed + rank))
@@ -128,16 +131,12 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
                    **{k: v for k, v in last.items() if k.startswith(("objective/", "throughput/"))}}
         write_json(summary, outputs[PPO_METRICS])
         log.info("ppo: %s", summary)
-        if ckpt is not None:
-            checkpoint.clear(ckpt.folder)
 
 
 def load_models(params: Params,
                 device: torch.device) -> tuple[PolicyWithValueHead, PreTrainedModel, PreTrainedTokenizerBase]:
     """Policy (+ value head), frozen reference and tokenizer, checked against each other and the prompt lengths."""
-    path, tokenizer_path, what = initial_policy(params)
-    tokenizer = load_tokenizer(tokenizer_path, params.model, what=what if path == tokenizer_path else
-                               "model.tokenizer")
+    path, what, tokenizer = initial_tokenizer(params)
     lm = load_causal_lm(path, params.model, what=what)
     ref = load_causal_lm(path, params.model, what=what)
     check_vocab_match(tokenizer, lm, "model.tokenizer")

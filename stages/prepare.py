@@ -30,6 +30,7 @@ from rlhf.pipeline.schema import Params
 log = logging.getLogger("prepare")
 
 STAGE = Stage(
+    __spec__.name,
     params=("seed", "data.source", "data.revision", "model.policy", "model.tokenizer", "model.revision",
             "model.trust_remote_code", "sft.enabled", "sft.base", "prepare"),
     inputs=(RAW,),
@@ -40,7 +41,7 @@ STAGE = Stage(
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    with StagedOutputs(STAGE.output_paths) as outputs:
+    with StagedOutputs(STAGE.output_paths, STAGE) as outputs:
         prepare(params, outputs)
 
 
@@ -53,6 +54,11 @@ def prepare(params: Params, outputs: StagedOutputs) -> None:
         warn_if_untracked(p.pairs_source, "prepare.pairs_source")
     tokenizer = load_tokenizer(params.tokenizer_path, params.model,
                                what="model.tokenizer" if params.model.tokenizer else "model.policy")
+    if not from_imdb:  # read and checked before the reviews are tokenized
+        pairs = read_pairs_file(Path(p.pairs_source), generator(params.seed, "pairs/split"))
+        log.info("prepare: %d train / %d test pairs from prepare.pairs_source %s (prepare.train_pairs, test_pairs, "
+                 "pair_min_tokens, pair_max_tokens and pairs_by_rating apply to imdb pairs only)",
+                 pairs["train"].num_rows, pairs["test"].num_rows, p.pairs_source)
 
     splits = load_imdb(source, params.data.revision, ["train", "test"])
     reviews = {name: filter_reviews(frame, p.min_review_chars, f"{source} [{name}]") for name, frame in splits.items()}
@@ -68,8 +74,6 @@ def prepare(params: Params, outputs: StagedOutputs) -> None:
         pairs = {split: build_pairs(reviews[split], ids[split], tokenizer, n, p.pair_min_tokens, p.pair_max_tokens,
                                     p.pairs_by_rating, generator(params.seed, f"pairs/{split}"), f"{source} [{split}]")
                  for split, n in (("train", p.train_pairs), ("test", p.test_pairs))}
-    else:
-        pairs = read_pairs_file(Path(p.pairs_source), generator(params.seed, "pairs/split"))
 
     for folder, tables in ((PROMPTS_DIR, prompts), (PAIRS_DIR, pairs)):
         with atomic_path(outputs[folder]) as tmp:

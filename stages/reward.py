@@ -15,16 +15,18 @@ import logging
 from rlhf.eval.plots import histogram
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
-from rlhf.pipeline.io import StagedOutputs, atomic_path, seed_everything, write_json, write_text
+from rlhf.pipeline.io import StagedOutputs, atomic_path, run_switchable, write_json, write_text
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import PAIRS_DIR, REWARD_DIR, REWARD_METRICS, REWARD_SCORES, SFT_DIR, TEST_PAIRS, TRAIN_PAIRS
 from rlhf.pipeline.registry import Output, Stage
 from rlhf.pipeline.schema import Params
 from rlhf.train.checkpoint import weights_bytes
-from rlhf.train.precision import pick_device, run_switchable
+from rlhf.train.precision import pick_device
 from rlhf.train.reward_model import build, evaluate, read_pairs, train
+from rlhf.train.rng import seed_everything
 
 STAGE = Stage(
+    __spec__.name,
     # sft.base: the tokenizer of a from-scratch reward model (params.tokenizer_path); sft.n_*, sft.dropout: its shape
     params=("seed", "model", "sft.enabled", "sft.base", "sft.n_layer", "sft.n_embd", "sft.n_head", "sft.n_positions",
             "sft.dropout", "reward.train", "reward.base", "reward.epochs", "reward.learning_rate", "reward.batch_size",
@@ -42,7 +44,7 @@ STAGE = Stage(
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    run_switchable(STAGE.output_paths, params.reward.train, lambda outputs: train_reward(params, outputs),
+    run_switchable(STAGE, params.reward.train, lambda outputs: train_reward(params, outputs),
                    REWARD_DIR, "reward.train is false: ppo and evaluate score with reward.model",
                    {REWARD_METRICS: '{"trained": false}\n', REWARD_SCORES: "score,positive,negative\n"})
 

@@ -18,18 +18,20 @@ import pandas as pd
 from rlhf.data.imdb import filter_reviews, load_imdb
 from rlhf.models.loading import check_vocab_match, load_tokenizer
 from rlhf.pipeline.cli import run_stage
-from rlhf.pipeline.io import StagedOutputs, atomic_path, seed_everything, write_json, write_text
+from rlhf.pipeline.io import StagedOutputs, atomic_path, run_switchable, write_json, write_text
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import RAW, SFT_DIR, SFT_LOSS, SFT_METRICS
 from rlhf.pipeline.registry import Output, Stage
 from rlhf.pipeline.schema import Params
 from rlhf.train.checkpoint import weights_bytes
-from rlhf.train.precision import pick_device, run_switchable
+from rlhf.train.precision import pick_device
+from rlhf.train.rng import seed_everything
 from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
 
 EVAL_BATCH = 16
 
 STAGE = Stage(
+    __spec__.name,
     params=("seed", "data", "model", "sft"),
     inputs=(RAW,),
     outputs=(Output(SFT_DIR), Output(SFT_METRICS, "metrics", cache=False),
@@ -41,7 +43,7 @@ STAGE = Stage(
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    run_switchable(STAGE.output_paths, params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
+    run_switchable(STAGE, params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
                    "sft.enabled is false: ppo and evaluate use model.policy",
                    {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
 

@@ -15,7 +15,7 @@ import torch
 from rlhf.pipeline import registry
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.params import defaults
-from rlhf.train import checkpoint
+from rlhf.train import checkpoint, rng
 
 
 def test_fingerprint_follows_params_file_content_and_the_stages_code(tmp_path: Path,
@@ -109,10 +109,10 @@ def test_an_optimizer_file_that_pickles_code_is_refused(tmp_path: Path) -> None:
 
 def test_rng_states_round_trip_through_json() -> None:
     generator = torch.Generator().manual_seed(5)
-    states = json.loads(json.dumps(checkpoint.rng_states({"g": generator})))
+    states = json.loads(json.dumps(rng.rng_states({"g": generator})))
     expected = (random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=generator).item())
     random.seed(1), np.random.seed(1), torch.manual_seed(1), generator.manual_seed(1)
-    checkpoint.set_rng_states(states, {"g": generator})
+    rng.set_rng_states(states, {"g": generator})
     assert (random.random(), np.random.rand(), torch.rand(1).item(),
             torch.rand(1, generator=generator).item()) == expected
 
@@ -120,7 +120,7 @@ def test_rng_states_round_trip_through_json() -> None:
 def test_too_little_disk_space_names_the_param_and_folder(tmp_path: Path) -> None:
     model = torch.nn.Linear(10, 10)  # 110 weights: 440 bytes, plus two fp32 Adam moments
     assert checkpoint.checkpoint_bytes(model) == 3 * 440
-    checkpoint.check_free_space(tmp_path, checkpoint.checkpoint_bytes(model), "ppo.checkpoint_every")
+    checkpoint.check_free_space(tmp_path, checkpoint.checkpoint_bytes(model), "ppo.checkpoint_every", "run-a")
     with pytest.raises(PipelineError, match=rf"^ppo.checkpoint_every: {tmp_path} has \d+ MiB free, checkpoints "
                                             r"need about \d+ MiB"):
-        checkpoint.check_free_space(tmp_path, 2**62, "ppo.checkpoint_every")
+        checkpoint.check_free_space(tmp_path, 2**62, "ppo.checkpoint_every", "run-a")

@@ -81,4 +81,4 @@ def test_prompts_longer_than_the_context_are_refused(ppo_project: Path, tokenize
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         "error: data/prompts/train.parquet: row 11: a 12-token prompt + ppo.response_max_tokens=6 exceed the "
-        "policy's 16 positions")
+        "16 positions of the policy")

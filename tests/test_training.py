@@ -8,6 +8,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from rlhf.models.policy import lm_head
+from rlhf.train import fit
 from rlhf.train import precision as training
 
 
@@ -72,7 +73,7 @@ def test_on_cuda_under_bf16_autocast_the_lm_head_runs_in_tf32() -> None:
 
 def test_warmup_then_cosine_to_the_floor() -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    schedule = training.warmup_cosine(optimizer, warmup_steps=4, total_steps=14, floor=0.1)
+    schedule = fit.warmup_cosine(optimizer, warmup_steps=4, total_steps=14, floor=0.1)
     lrs = []
     for _ in range(16):
         lrs.append(optimizer.param_groups[0]["lr"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,17 @@ from rlhf.eval.frontier import Point, frontier_rows, grid, same, write_frontier
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ParamsError, PipelineError
 from rlhf.pipeline.params import parse_params
-from rlhf.pipeline.yaml_files import parse_yaml
-from tools.recipe import as_override, ensure_local_inputs, flatten, load_preset, overlay
+from tools.recipe import (
+    add_input_flags,
+    as_override,
+    copy_inputs,
+    flatten,
+    load_preset,
+    local_inputs,
+    overlay,
+    parse_sets,
+    run_dvc,
+)
 
 NO_PRESET = "params"  # the name of a sweep over params.yaml as committed
 # on offline-cpu (BENCHMARKS.md) 0.4 gave 1.7 nats, 0.25 3.7 and 0.1 11.4 (where the policy collapses onto stock
@@ -33,7 +41,7 @@ DEFAULT_KL_COEFS = [0.1, 0.15, 0.2, 0.3, 0.4]
 
 def dvc(*args: str) -> str:
     """Run a read-only dvc command and return its stdout; its last error line when it fails."""
-    result = subprocess.run(["dvc", *args], capture_output=True, text=True)
+    result = run_dvc(["dvc", *args], capture_output=True, text=True)
     if result.returncode != 0:
         lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
         raise PipelineError(f"dvc {' '.join(args)} failed: {lines[-1]}")
@@ -61,17 +69,6 @@ def head_experiments() -> tuple[dict[str, Any], dict[str, Any], dict[str, dict]]
     return params(baseline["data"]), params(workspace["data"]), experiments
 
 
-def parse_sets(pairs: list[str]) -> dict[str, Any]:
-    """``--set key=value`` (value in YAML, as DVC's ``-S`` reads it) into {dotted key: value}."""
-    changes = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ParamsError(f"--set: {pair!r} is not key=value")
-        changes[key] = parse_yaml(value, f"--set {pair!r}")
-    return changes
-
-
 def overrides(changes: dict[str, Any], workspace: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
     """The -S keys of one point: the preset, --set and knob keys, and any key a previous run left different."""
     keys, now = dict(changes), flatten(workspace)
@@ -87,7 +84,7 @@ def run_point(i: int, n: int, point: Point, keys: dict[str, Any], replace: bool,
         print(f"[{i}/{n}] {point.name}: an experiment of that name has other params; replacing it", flush=True)
         command = ["dvc", "exp", "remove", point.name]
         print(" ".join(command), flush=True)
-        if not dry_run and subprocess.run(command).returncode != 0:
+        if not dry_run and run_dvc(command).returncode != 0:
             raise PipelineError(f"{point.name}: dvc exp remove failed")
     command = ["dvc", "exp", "run", "-n", point.name]
     for key, value in keys.items():
@@ -96,23 +93,25 @@ def run_point(i: int, n: int, point: Point, keys: dict[str, Any], replace: bool,
     if dry_run:
         return
     start = time.perf_counter()
-    code = subprocess.run(command).returncode
+    code = run_dvc(command).returncode
     if code != 0:
         raise PipelineError(f"{point.name}: dvc exp run failed (exit {code}); earlier points are kept as experiments")
     print(f"[{i}/{n}] {point.name}: ran in {time.perf_counter() - start:.0f} s", flush=True)
 
 
 def sweep(points: list[Point], changes: dict[str, Any], not_copied: dict[str, Path], dry_run: bool) -> None:
-    """Validate every point's params, then run the points that are not experiments of HEAD with these params yet.
+    """Validate every point's params, copy the local inputs, then run the points that are not experiments of HEAD
+    with these params yet.
 
-    ``not_copied``: the local inputs a dry run did not copy ({target: source}); their sources stand in for them when
-    the params are validated."""
+    ``not_copied``: the local inputs to copy ({target: source}); their sources stand in for them when the params are
+    validated, so nothing is copied for a sweep that would fail."""
     baseline, workspace, experiments = head_experiments()
     desired = {point.name: overlay(baseline, changes | point.knob) for point in points}
     for point in points:  # a bad key fails here, named, before any point runs
         stand_ins = {key: str(not_copied[v]) for key, v in flatten(desired[point.name]).items()
                      if isinstance(v, str) and v in not_copied}
         parse_params(overlay(desired[point.name], stand_ins), ".")
+    copy_inputs(not_copied, dry_run)
     for i, point in enumerate(points, 1):
         found = experiments.get(point.name)
         if found and same(found["params"], flatten(desired[point.name])):
@@ -144,20 +143,19 @@ def main() -> None:
     parser.add_argument("--series", help="the sweep's name in experiment names and the chart (e.g. rloo)")
     parser.add_argument("--collect", action="store_true", help="only rebuild the table from existing experiments")
     parser.add_argument("--dry-run", action="store_true", help="print the dvc commands; run and write nothing")
-    parser.add_argument("--imdb", type=Path, default=Path("../shared/imdb"), help="local IMDb Parquet folder")
-    parser.add_argument("--tokenizer", type=Path, default=Path("../shared/gpt2-tokenizer"), help="local tokenizer")
+    add_input_flags(parser)
     args = parser.parse_args()
 
     name = args.preset or NO_PRESET
     preset = load_preset(args.preset) if args.preset else {}
-    extras = parse_sets(args.set)
+    extras = parse_sets(args.set, "--set")
     if extras and not args.series:
         raise ParamsError("--set: name the series with --series (its points need names of their own)")
     kl_coefs = DEFAULT_KL_COEFS if args.kl_coef is None and not args.target else args.kl_coef or []
     points = [] if args.collect else grid(name, args.series, kl_coefs, args.target)
     if points:
-        copies = ensure_local_inputs(preset, {"imdb": args.imdb, "tokenizer": args.tokenizer}, args.dry_run)
-        sweep(points, flatten(preset) | extras, copies if args.dry_run else {}, args.dry_run)
+        copies = local_inputs(preset, {"imdb": args.imdb, "tokenizer": args.tokenizer})
+        sweep(points, flatten(preset) | extras, copies, args.dry_run)
     if args.dry_run:
         return
     rows = frontier_rows(head_experiments()[2], name, flatten(preset))

@@ -2,9 +2,10 @@
 
 A preset is a params overlay in ``presets/<name>.yaml`` (only the keys it changes). The runner validates params.yaml
 with the overlay applied (so a bad preset fails before anything is written or run), copies local inputs the preset
-expects under ``data/raw/`` when they are missing (from ``--imdb`` / ``--tokenizer``), then runs ``dvc exp run`` with
-one ``-S`` per key. ``--dry-run`` validates and prints the copies and the command, and writes nothing. The result is an
-ordinary experiment: ``dvc exp show`` and ``dvc metrics diff`` compare it with any other.
+expects under ``data/raw/`` when they are missing (from ``--imdb`` / ``--tokenizer``, required only then), then runs
+``dvc exp run`` with one ``-S`` per key. The user's own ``-S key=value`` apply over the preset's (validated the same
+way); other arguments go to ``dvc exp run``. ``--dry-run`` validates and prints the copies and the command, and writes
+nothing. The result is an ordinary experiment: ``dvc exp show`` and ``dvc metrics diff`` compare it with any other.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.pipeline.cli import run_stage
-from rlhf.pipeline.errors import ParamsError
+from rlhf.pipeline.errors import ParamsError, PipelineError
 from rlhf.pipeline.params import PARAMS_FILE, parse_params
-from rlhf.pipeline.yaml_files import read_yaml
+from rlhf.pipeline.yaml_files import parse_yaml, read_yaml
 
 PRESETS = Path("presets")
 LOCAL_INPUTS = {"imdb": "data/raw/imdb", "tokenizer": "data/raw/gpt2-tokenizer"}
@@ -85,14 +86,28 @@ def load_preset(name: str) -> dict[str, Any]:
     return read_yaml(path) or {}
 
 
-def local_inputs(changes: dict[str, Any], sources: dict[str, Path]) -> dict[str, Path]:
+def parse_sets(pairs: list[str], flag: str) -> dict[str, Any]:
+    """``key=value`` pairs (value in YAML, as DVC's ``-S`` reads it) into {dotted key: value}."""
+    changes = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ParamsError(f"{flag}: {pair!r} is not key=value")
+        changes[key] = parse_yaml(value, f"{flag} {pair!r}")
+    return changes
+
+
+def local_inputs(changes: dict[str, Any], sources: dict[str, Path | None]) -> dict[str, Path]:
     """{target: source} of the local IMDb / tokenizer copies the preset needs under data/raw/ (a DVC dependency) and
-    that are missing there; a missing source is an error."""
+    that are missing there; a source not given or missing is an error."""
     wanted = [value for value in flatten(changes).values() if isinstance(value, str)]
     copies = {}
     for kind, target in LOCAL_INPUTS.items():
         if target not in wanted or Path(target).exists():
             continue
+        if sources[kind] is None:
+            raise ParamsError(f"--{kind}: the preset reads {target}, which is missing: pass --{kind} FOLDER to copy "
+                              "it there")
         if not sources[kind].exists():
             raise ParamsError(f"--{kind}: {sources[kind]} does not exist (the preset needs a copy at {target})")
         copies[target] = sources[kind]
@@ -110,13 +125,6 @@ def copy_inputs(copies: dict[str, Path], dry_run: bool) -> None:
                 shutil.copytree(source, tmp)
 
 
-def ensure_local_inputs(changes: dict[str, Any], sources: dict[str, Path], dry_run: bool = False) -> dict[str, Path]:
-    """``local_inputs``, copied (with ``dry_run``, only said); return {target: source} of the copies made or due."""
-    copies = local_inputs(changes, sources)
-    copy_inputs(copies, dry_run)
-    return copies
-
-
 def validate(base: dict[str, Any], changes: dict[str, Any], copies: dict[str, Path]) -> None:
     """Validate params.yaml with the preset applied, each copy still to be made read as its source (which exists),
     so that nothing is copied for a preset that would fail."""
@@ -125,16 +133,35 @@ def validate(base: dict[str, Any], changes: dict[str, Any], copies: dict[str, Pa
                                 for key, value in flatten(changes).items()}), ".")
 
 
+def run_dvc(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of a dvc command; dvc missing from PATH is one line, not a traceback."""
+    try:
+        return subprocess.run(command, **kwargs)
+    except FileNotFoundError:
+        raise PipelineError(f"{command[0]}: not found on PATH (install the project's requirements, or activate "
+                            "their environment)") from None
+
+
+def add_input_flags(parser: argparse.ArgumentParser) -> None:
+    """--imdb and --tokenizer: where to copy a preset's local inputs from, needed only when they are missing."""
+    parser.add_argument("--imdb", type=Path, help=f"local IMDb Parquet folder, copied to {LOCAL_INPUTS['imdb']} "
+                                                  "when a preset reads it and it is missing")
+    parser.add_argument("--tokenizer", type=Path, help=f"local tokenizer folder, copied to "
+                                                       f"{LOCAL_INPUTS['tokenizer']} when a preset reads it and it is "
+                                                       "missing")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("preset", help="a preset name from presets/ (offline-cpu, offline-gpu)")
-    parser.add_argument("--imdb", type=Path, default=Path("../shared/imdb"), help="local IMDb Parquet folder")
-    parser.add_argument("--tokenizer", type=Path, default=Path("../shared/gpt2-tokenizer"), help="local tokenizer")
+    add_input_flags(parser)
+    parser.add_argument("-S", "--set-param", action="append", default=[], metavar="KEY=VALUE",
+                        help="a params key over the preset's (repeatable), validated with it")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate, print the copies and the dvc command; write and run nothing")
     args, dvc_args = parser.parse_known_args()
 
-    changes = load_preset(args.preset)
+    changes = flatten(load_preset(args.preset)) | parse_sets(args.set_param, "-S")
     copies = local_inputs(changes, {"imdb": args.imdb, "tokenizer": args.tokenizer})
     validate(read_yaml(PARAMS_FILE), changes, copies)
     copy_inputs(copies, args.dry_run)
@@ -144,7 +171,7 @@ def main() -> None:
         command += ["-S", f"{key}={as_override(value)}"]
     print(shlex.join(command), flush=True)
     if not args.dry_run:
-        sys.exit(subprocess.run(command).returncode)
+        sys.exit(run_dvc(command).returncode)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,11 @@ import numpy as np
 import pandas as pd
 
 from rlhf.pipeline.errors import DataError
-from rlhf.pipeline.paths import RAW, is_local, unreachable_hub_id
+from rlhf.pipeline.paths import RAW, SPLITS, is_local, unreachable_hub_id
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ["text", "label", "rating", "review_id"]
-SPLITS = ("train", "test", "unsupervised")
 RENAMES = {"review": "text", "sentiment": "label"}
 LABEL_NAMES = {"positive": 1, "pos": 1, "negative": 0, "neg": 0}
 LABEL_DIRS = {1: "pos", 0: "neg", -1: "unsup"}

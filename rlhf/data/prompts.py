@@ -39,8 +39,9 @@ def read_prompts(path: Path) -> Prompts:
 
 
 def check_prompts(path: Path, prompts: Prompts, tokenizer: PreTrainedTokenizerBase, lm: PreTrainedModel,
-                  response_max_tokens: int) -> None:
-    """Prompts tokenized with another tokenizer, or too long for the model's positions, fail before any sampling."""
+                  response_max_tokens: int, what: str) -> None:
+    """Prompts tokenized with another tokenizer, or too long for the positions of ``lm`` (named ``what``), fail
+    before any sampling."""
     limit, vocab = context_size(lm) - response_max_tokens, len(tokenizer)
     for row, ids in enumerate(prompts.input_ids):
         if not ids:
@@ -51,4 +52,4 @@ def check_prompts(path: Path, prompts: Prompts, tokenizer: PreTrainedTokenizerBa
                             "(prompts tokenized with another tokenizer: rerun prepare)")
         if len(ids) > limit:
             raise DataError(f"{path}: row {row}: a {len(ids)}-token prompt + ppo.response_max_tokens="
-                            f"{response_max_tokens} exceed the policy's {context_size(lm)} positions")
+                            f"{response_max_tokens} exceed the {context_size(lm)} positions of {what}")

@@ -115,7 +115,8 @@ def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **_load_kwargs(name, model))
     except (OSError, ValueError) as e:
-        raise ModelError(f"{what}: cannot load a tokenizer from {name!r}: {str(e).splitlines()[0]}") from None
+        reason = " ".join(str(e).split())  # the whole reason on one line: its first line can end mid-sentence
+        raise ModelError(f"{what}: cannot load a tokenizer from {name!r}: {reason}") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelError(f"{what}: {name}: the tokenizer has neither a pad nor an EOS token")
@@ -191,6 +192,20 @@ def initial_policy(params: Params) -> tuple[str, str, str]:
             raise ModelError(f"sft.enabled is true but {SFT_DIR} holds no trained model (run the sft stage)")
         return str(SFT_DIR), str(SFT_DIR), str(SFT_DIR)
     return params.model.policy, params.tokenizer_path, "model.policy"
+
+
+def initial_tokenizer(params: Params) -> tuple[str, str, PreTrainedTokenizerBase]:
+    """(policy path, params key, tokenizer) of the initial policy. With sft.enabled the tokenizer is the one SFT
+    saved; a model.tokenizer set beside it must be that same tokenizer (one that is not would be ignored)."""
+    path, tokenizer_path, what = initial_policy(params)
+    tokenizer = load_tokenizer(tokenizer_path, params.model, what=what if path == tokenizer_path else
+                               "model.tokenizer")
+    if params.sft.enabled and params.model.tokenizer:
+        named = load_tokenizer(params.model.tokenizer, params.model, what="model.tokenizer")
+        if named.get_vocab() != tokenizer.get_vocab():
+            raise ModelError(f"model.tokenizer: {params.model.tokenizer} is not the tokenizer {SFT_DIR} was trained "
+                             "with (rerun the sft stage)")
+    return path, what, tokenizer
 
 
 def context_size(lm: PreTrainedModel) -> int:

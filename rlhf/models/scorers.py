@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from transformers import PretrainedConfig
 
-from rlhf.models.loading import load_sequence_classifier, load_tokenizer
+from rlhf.models.loading import load_config, load_sequence_classifier, load_tokenizer
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.paths import REWARD_DIR
-from rlhf.pipeline.schema import ModelParams, Params
-from rlhf.pipeline.sections import judge_name
+from rlhf.pipeline.schema import ModelParams, Params, judge_name
 
 
 class Scorer(Protocol):
@@ -29,13 +29,12 @@ class ClassifierScorer:
     def __init__(self, name_or_dir: str, model_params: ModelParams, positive_label: str = "POSITIVE",
                  device: torch.device | str = "cpu", batch_size: int = 64, what: str = "reward.model") -> None:
         self.name = judge_name(name_or_dir)
+        self.index = check_scorer_config(name_or_dir, model_params, positive_label, what)
         self.model = load_sequence_classifier(name_or_dir, model_params, what=what).to(device).eval()
         # the classifier's own padding side: BERT-style models read position 0, GPT-style the last real token
         self.tokenizer = load_tokenizer(name_or_dir, model_params, what=what, padding_side=None)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        check_is_classifier(self.model, name_or_dir, what)
-        self.index = positive_index(self.model.config, positive_label, what)
         self.device, self.batch_size = torch.device(device), batch_size
 
     @torch.no_grad()
@@ -50,10 +49,18 @@ class ClassifierScorer:
         return torch.cat(scores)
 
 
-def check_is_classifier(model: torch.nn.Module, name: str, what: str) -> None:
+def check_scorer_config(name: str, model_params: ModelParams, positive_label: str, what: str) -> int:
+    """The output a classifier's score is read from, found from its config alone: a model that cannot be a scorer
+    is refused before its weights (or any other model's) load."""
+    config = load_config(name, model_params, what)
+    check_is_classifier(config, name, what)
+    return positive_index(config, positive_label, what)
+
+
+def check_is_classifier(config: PretrainedConfig, name: str, what: str) -> None:
     """A causal LM (or any non-classifier) loads as a classifier with a random score head: refuse it, do not train
     against noise."""
-    saved = model.config.architectures or []
+    saved = config.architectures or []
     if saved and not any(arch.endswith("ForSequenceClassification") for arch in saved):
         raise ModelError(f"{what}: {name}: a {saved[0]}, not a sequence classifier (its score head would be random)")
 

@@ -4,6 +4,7 @@ and keeps its traceback."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import textwrap
 from collections.abc import Callable
@@ -50,20 +51,52 @@ def one_line(error: Exception, record: Stage | None) -> str | None:
     return None
 
 
+def stop_signals(handler: Callable[[int, object], None] | int) -> None:
+    """Ctrl-C (SIGINT) and a scheduler's or ``kill``'s stop (SIGTERM) alike get ``handler``."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
+
+
+STOP_SIGNAL = [signal.SIGINT]  # the signal that stopped the run, for the message and the exit status
+
+
+def raise_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM reads like Ctrl-C: a KeyboardInterrupt where the stage is, so it keeps its checkpoint."""
+    STOP_SIGNAL[0] = signal.Signals(signum)
+    raise KeyboardInterrupt
+
+
+def check_no_arguments(record: Stage) -> None:
+    """A stage reads params.yaml only: an argument it would ignore (``--steps 10``) is refused, not dropped."""
+    if sys.argv[1:]:
+        print(f"error: python -m {record.module} takes no arguments but -h (got {' '.join(sys.argv[1:])}): set "
+              "params in params.yaml or with dvc exp run -S key=value", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def run_stage(main: Callable[[], None]) -> None:
-    """Run the ``main`` of a stage script (its module holds the ``STAGE`` record) or of a tool, failures as one
-    line."""
+    """Run the ``main`` of a stage script (its module holds the ``STAGE`` record) or of a tool: a PipelineError, a
+    full disk or GPU out-of-memory is ``error: <message>`` and exit status 1; Ctrl-C or SIGTERM one ``interrupted``
+    line and exit status 130 (143). A stage's ``-h`` prints its help; any other argument of a stage is refused
+    (exit status 2)."""
     module = sys.modules[main.__module__]
     name = module.__spec__.name if module.__spec__ else module.__name__
     record = stage(name.removeprefix("stages.")) if name.startswith("stages.") else None
-    if record is not None and {"-h", "--help"} & set(sys.argv[1:]):
-        print(stage_help(record, module.__doc__ or ""), end="")
-        raise SystemExit(0)
+    if record is not None:
+        if {"-h", "--help"} & set(sys.argv[1:]):
+            print(stage_help(record, module.__doc__ or ""), end="")
+            raise SystemExit(0)
+        check_no_arguments(record)
+    stop_signals(raise_interrupt)
     try:
         main()
     except KeyboardInterrupt as e:
-        print(interrupted_message(record, getattr(e, "step", None)), file=sys.stderr)
-        raise SystemExit(130) from None
+        stop_signals(signal.SIG_IGN)  # a second Ctrl-C must not add a traceback to the one line
+        message = interrupted_message(record, getattr(e, "step", None))
+        if STOP_SIGNAL[0] != signal.SIGINT:
+            message = message.replace("interrupted", f"stopped by {STOP_SIGNAL[0].name}", 1)
+        print(message, file=sys.stderr)
+        raise SystemExit(128 + STOP_SIGNAL[0]) from None
     except Exception as e:
         message = one_line(e, record)
         if message is None:

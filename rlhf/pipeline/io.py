@@ -1,9 +1,11 @@
 """Writing outputs so that a stage either completes and replaces all of them, or fails and leaves every previous one
 as it was; and seeding.
 
-- ``StagedOutputs``: a stage declares its outputs (its record's outputs) up front; their folders are checked for
-  writability before anything loads; everything is written under staging siblings and moved into place together when
-  the stage's block completes. A failure (an error, Ctrl-C, a full disk) deletes the staging and touches no output.
+- ``StagedOutputs``: a stage declares its outputs (its record's outputs) up front; it holds the stage's lock (one
+  run of a stage per workspace), and checks that their folders are writable and every previous output can be moved
+  aside, before anything loads; everything is written under staging siblings and moved into place together when the
+  stage's block completes, and only then are the stage's checkpoints deleted. A failure (an error, Ctrl-C, a full
+  disk) deletes the staging and touches no output.
 - ``atomic_path``: one file or folder written to a temporary sibling and renamed into place, with the user's umask,
   a full disk reported as ``disk full writing <output>``.
 """
@@ -11,35 +13,29 @@ as it was; and seeding.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
-import random
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from rlhf.pipeline.errors import DiskFull, PipelineError, is_disk_full
 from rlhf.pipeline.paths import output_path, staging_path
 
+if TYPE_CHECKING:
+    from rlhf.pipeline.registry import Stage
+
 UMASK = os.umask(0o022)
 os.umask(UMASK)
 REPLACED = ".replaced"  # suffix of a previous output moved aside while the new ones move in
-
-
-def seed_everything(seed: int) -> torch.Generator:
-    """Seed Python, NumPy and torch (all devices); return a CPU generator for the stage's own draws."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
+DISABLED_MARKER = "DISABLED"  # the one file of a switched-off stage's model folder
 
 
 @contextlib.contextmanager
@@ -130,6 +126,37 @@ def check_writable(folder: Path, output: Path) -> None:
         raise PipelineError(f"{output}: cannot write in {folder}/ ({e.strerror}); nothing was run") from None
 
 
+def check_movable(output: Path) -> None:
+    """Move an existing ``output`` aside and back, as the final replacement will (an immutable output or one on a
+    read-only mount fails here, before the run, not after it)."""
+    if not os.path.lexists(output):
+        return
+    aside = replaced_path(output)
+    try:
+        os.replace(output, aside)
+    except OSError as e:
+        raise PipelineError(f"{output}: cannot be replaced ({e.strerror}); nothing was run") from None
+    os.replace(aside, output)
+
+
+def lock_stage(stage: Stage) -> int:
+    """Hold ``data/checkpoints/.<stage>.lock`` until the process ends (the OS releases it, even after a kill -9), or
+    refuse in one line while another process of this workspace holds it. Returns the lock's descriptor."""
+    path = stage.checkpoints.parent / f".{stage.name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~UMASK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise PipelineError(f"{stage.name}: another run of this stage is under way in this workspace (pid {holder} "
+                            f"holds {path}); wait for it or stop it") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 def replaced_path(output: Path) -> Path:
     """Where a previous output waits while the new ones move in."""
     return output.parent / f".{output.name}{REPLACED}"
@@ -138,14 +165,18 @@ def replaced_path(output: Path) -> Path:
 class StagedOutputs:
     """A stage's outputs, written under ``paths.staging_path`` siblings and moved into place together on success.
 
-    Entering checks that every output's folder is writable and clears what a killed run left behind.
-    ``outputs[path]`` is where to write ``path`` (an output or a file inside one). Leaving the block normally replaces
-    every output by its staged version (an output not written is removed); leaving it by an exception (Ctrl-C
-    included) deletes the staging and touches nothing.
+    Entering checks that every output's folder is writable, takes ``stage``'s lock (when given), clears what a killed
+    run left behind and checks that every previous output can be moved aside. ``outputs[path]`` is where to write
+    ``path`` (an output or a file inside one). Leaving the block normally replaces every output by its staged version
+    (an output not written is removed), then deletes ``stage``'s checkpoints (its record's folder): a run is
+    finished only once its outputs are in place. Leaving it by an exception (Ctrl-C included) deletes the staging and
+    touches nothing.
     """
 
-    def __init__(self, outputs: Iterable[Path]) -> None:
+    def __init__(self, outputs: Iterable[Path], stage: Stage | None = None) -> None:
         self.outputs = [Path(p) for p in outputs]
+        self.stage = stage
+        self.lock: int | None = None
 
     def __getitem__(self, path: Path) -> Path:
         """Where to write ``path``: one of the outputs, or a file inside an output folder."""
@@ -157,24 +188,42 @@ class StagedOutputs:
     def __enter__(self) -> StagedOutputs:
         for output in self.outputs:
             check_writable(output.parent, output)
-        for output in self.outputs:
-            backup = replaced_path(output)
-            if os.path.lexists(backup) and not os.path.lexists(output):
-                os.replace(backup, output)  # a kill in the middle of the final moves: the previous output returns
-            remove(backup)
-            remove(staging_path(output))
+        if self.stage is not None:  # before the leftovers of a killed run are cleared: they may be a running one's
+            self.lock = lock_stage(self.stage)
+        try:
+            for output in self.outputs:
+                backup = replaced_path(output)
+                if os.path.lexists(backup) and not os.path.lexists(output):
+                    os.replace(backup, output)  # a kill in the middle of the final moves: the previous output returns
+                remove(backup)
+                remove(staging_path(output))
+            for output in self.outputs:
+                check_movable(output)
+        except BaseException:
+            self.unlock()
+            raise
         return self
+
+    def unlock(self) -> None:
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        if exc_type is None:
-            try:
-                self.commit()
-            except BaseException:
+        try:
+            if exc_type is None:
+                try:
+                    self.commit()
+                except BaseException:
+                    self.discard()
+                    raise
+                if self.stage is not None:
+                    shutil.rmtree(self.stage.checkpoints, ignore_errors=True)  # the run is complete
+            else:
                 self.discard()
-                raise
-        else:
-            self.discard()
+        finally:
+            self.unlock()
 
     def discard(self) -> None:
         """Delete the staging: the previous outputs stay as they were."""
@@ -212,3 +261,19 @@ class StagedOutputs:
             elif os.path.lexists(backup):
                 with contextlib.suppress(OSError):
                     backup.unlink()
+
+
+def run_switchable(stage: Stage, enabled: bool, train: Callable[[StagedOutputs], None], folder: Path,
+                   reason: str, files: dict[Path, str]) -> None:
+    """Run a stage that params can switch off, all its outputs replaced together (``StagedOutputs``): ``train`` when
+    enabled; else ``folder`` holding one fixed line, so its hash (and everything downstream) stays put, plus ``files``
+    (output -> fixed text: the stage's metrics and empty plot files)."""
+    with StagedOutputs(stage.output_paths, stage) as outputs:
+        if enabled:
+            train(outputs)
+            return
+        with atomic_path(outputs[folder]) as tmp:
+            tmp.mkdir()
+            (tmp / DISABLED_MARKER).write_text(reason + "\n", encoding="utf-8")
+        for path, text in files.items():
+            write_text(text, outputs[path])

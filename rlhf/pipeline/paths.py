@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+SPLITS = ("train", "test", "unsupervised")  # the IMDb splits a data source holds (a folder: <split>.parquet)
 RAW = Path("data/raw")  # local inputs DVC watches (prepare and sft list it as a dependency)
 PROMPTS_DIR = Path("data/prompts")
 TRAIN_PROMPTS = PROMPTS_DIR / "train.parquet"

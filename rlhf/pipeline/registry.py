@@ -37,18 +37,19 @@ class Output:
 
 @dataclass(frozen=True)
 class Stage:
-    """A DVC stage: the params it reads (dotted keys, or a section for all of its keys), the files it reads besides
-    its code, its outputs, and the advice printed when it runs out of GPU memory."""
+    """A DVC stage: its script's module (``__spec__.name``, so the name is the file's), the params it reads (dotted
+    keys, or a section for all of its keys), the files it reads besides its code, its outputs, and the advice printed
+    when it runs out of GPU memory."""
 
+    module: str
     params: tuple[str, ...]
     inputs: tuple[Path, ...]
     outputs: tuple[Output, ...]
     out_of_memory: str | None = None
-    name: str = ""  # the script's name; filled in by ``stage``
 
     @property
-    def module(self) -> str:
-        return f"stages.{self.name}"
+    def name(self) -> str:
+        return self.module.removeprefix("stages.")
 
     @property
     def output_paths(self) -> tuple[Path, ...]:
@@ -86,8 +87,7 @@ def stage(name: str) -> Stage:
     module = sys.modules.get("__main__")
     if getattr(getattr(module, "__spec__", None), "name", None) != f"stages.{name}":
         module = importlib.import_module(f"stages.{name}")
-    record: Stage = module.STAGE
-    return Stage(record.params, record.inputs, record.outputs, record.out_of_memory, name)
+    return module.STAGE
 
 
 def _imports(path: Path) -> set[str]:

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf.pipeline.paths import is_local
+from rlhf.pipeline.paths import SPLITS, is_local
 from rlhf.pipeline.sections import PathOrId, Rule, Section, at_most, judge_name
 from rlhf.rl.estimators import ESTIMATORS
 
@@ -119,6 +119,8 @@ class SftParams(Section):
             raise Rule("n_embd", f"must be divisible by sft.n_head ({self.n_head})", self.n_embd)
         if self.base == "scratch":
             at_most(self, "block_size", "n_positions", "sft")
+        if unknown := [split for split in self.splits if split not in SPLITS]:
+            raise Rule("splits", f"unknown split {unknown[0]!r} (known: {', '.join(SPLITS)})", self.splits)
         if "test" in self.splits:
             raise Rule("splits", "must not contain 'test' (held out for perplexity)", self.splits)
         return self

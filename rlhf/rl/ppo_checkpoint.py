@@ -19,7 +19,7 @@ from rlhf.pipeline.paths import PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS, staging
 from rlhf.pipeline.registry import stage
 from rlhf.pipeline.schema import Params
 from rlhf.rl.trainer import PPOTrainer
-from rlhf.train import checkpoint
+from rlhf.train import checkpoint, rng
 from rlhf.train.batches import Batches
 
 if TYPE_CHECKING:
@@ -50,15 +50,15 @@ class Checkpointing:
         """Every process contributes its RNG states; the main process writes."""
         from accelerate.utils import gather_object
 
-        rng = [checkpoint.rng_states({"length": trainer.length_generator})]
+        states = [rng.rng_states({"length": trainer.length_generator})]
         if accelerator.num_processes > 1:
-            rng = gather_object(rng)
+            states = gather_object(states)
         if not accelerator.is_main_process:
             return
         state = trainer.state_dict()
         optimizer_state = state.pop("optimizer")
         checkpoint.save(self.folder, step, trainer.policy, optimizer_state,
-                        {"fingerprint": self.fingerprint, "trainer": state, "data": order.state_dict(), "rng": rng,
+                        {"fingerprint": self.fingerprint, "trainer": state, "data": order.state_dict(), "rng": states,
                          "live_step": live_step, "last_stats": last}, self.files)
 
     def restore(self, found: checkpoint.Checkpoint, trainer: PPOTrainer, order: Batches,
@@ -68,7 +68,7 @@ class Checkpointing:
         checkpoint.load_weights(found, trainer.policy)
         trainer.load_state_dict({**found.state["trainer"], "optimizer": checkpoint.load_optimizer_state(found)})
         order.load_state_dict(found.state["data"])
-        checkpoint.set_rng_states(found.state["rng"][accelerator.process_index], {"length": trainer.length_generator})
+        rng.set_rng_states(found.state["rng"][accelerator.process_index], {"length": trainer.length_generator})
 
 
 def find_checkpoint(params: Params, policy: PolicyWithValueHead,
@@ -78,7 +78,8 @@ def find_checkpoint(params: Params, policy: PolicyWithValueHead,
         return None, None
     ckpt = Checkpointing(run_fingerprint(params, accelerator.num_processes))
     if accelerator.is_main_process:
-        checkpoint.check_free_space(ckpt.folder, checkpoint.checkpoint_bytes(policy), "ppo.checkpoint_every")
+        checkpoint.check_free_space(ckpt.folder, checkpoint.checkpoint_bytes(policy), "ppo.checkpoint_every",
+                                    ckpt.fingerprint)
         found = checkpoint.find(ckpt.folder, ckpt.fingerprint, prune=True)
     accelerator.wait_for_everyone()  # the main process has pruned other runs' checkpoints
     if not accelerator.is_main_process:

@@ -248,8 +248,9 @@ class PPOTrainer:
             return True
         if always_stop or self.cfg.nan_policy == "stop":
             bad = int((~torch.isfinite(x)).sum())
-            raise TrainingError(f"step {step}: {quantity}: {what} ({bad} of {x.numel()} values); set "
-                                "ppo.nan_policy: skip to skip such batches")
+            advice = ("it stops whatever ppo.nan_policy says: lower ppo.learning_rate" if always_stop
+                      else "set ppo.nan_policy: skip to skip such batches")
+            raise TrainingError(f"step {step}: {quantity}: {what} ({bad} of {x.numel()} values); {advice}")
         return False
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -4,7 +4,8 @@ DVC deletes a stage's outputs before it runs, so checkpoints live in ``data/chec
 DVC output). Each is a folder ``step-NNNNNN`` written to a temporary sibling and renamed into place (io.atomic_path),
 so a kill at any moment leaves the previous checkpoint or the new one, never half of one. Its ``state.json`` carries a
 fingerprint of everything that determines the run (params, input files, code, library versions, process count); a
-checkpoint with another fingerprint belongs to another run and is removed. A completed run deletes its checkpoints.
+checkpoint with another fingerprint belongs to another run and is removed. A completed run deletes its
+checkpoints once its outputs are in place (io.StagedOutputs).
 
 Layout of a checkpoint:
     model.safetensors   every weight of the trained module (policy, and value head and critic where trained)
@@ -15,19 +16,16 @@ Layout of a checkpoint:
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
 import pickle
-import random
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
@@ -92,42 +90,6 @@ def fingerprint(name: str, params: Params, paths: Iterable[Path | str], exclude:
     return hashlib.sha256(f"{text}\n{hash_paths(inputs)}\n{code.hexdigest()}".encode()).hexdigest()[:16]
 
 
-# --- RNG states ------------------------------------------------------------------------------------------------------
-
-
-def _encode(tensor: torch.Tensor) -> str:
-    return base64.b64encode(tensor.numpy().tobytes()).decode()
-
-
-def _decode(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def rng_states(generators: dict[str, torch.Generator]) -> dict[str, Any]:
-    """Python, NumPy, torch (CPU and every CUDA device) and the named generators' states, JSON-ready."""
-    version, mt, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": [version, list(mt), gauss],
-        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
-        "torch": _encode(torch.get_rng_state()),
-        "cuda": [_encode(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
-        "generators": {name: _encode(g.get_state()) for name, g in generators.items()},
-    }
-
-
-def set_rng_states(states: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
-    version, mt, gauss = states["python"]
-    random.setstate((version, tuple(mt), gauss))
-    kind, keys, pos, has_gauss, cached = states["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_decode(states["torch"]))
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_decode(s) for s in states["cuda"]])
-    for name, generator in generators.items():
-        generator.set_state(_decode(states["generators"][name]))
-
-
 # --- save, find, restore ---------------------------------------------------------------------------------------------
 
 
@@ -142,12 +104,18 @@ def checkpoint_bytes(model: torch.nn.Module) -> int:
     return weights_bytes(model) + ADAM_MOMENTS * trainable
 
 
-def check_free_space(folder: Path, needed: int, key: str) -> None:
-    """Stop before training when ``folder`` is not writable or its disk cannot hold two checkpoints (the new one is
-    written before the old one is removed)."""
+def check_free_space(folder: Path, needed: int, key: str, fingerprint: str) -> None:
+    """Stop before training when ``folder`` is not writable or its disk cannot hold the run's checkpoints: two of
+    ``needed`` bytes (the new one is written before the old one is removed), less the checkpoints already there
+    (this run's newest goes after the next save, other runs' go now). With one of this run's own there, the advice
+    keeps the params as they are: changing them would restart the run at step 0."""
     check_writable(folder, folder)
-    io_check_free_space(folder, 2 * needed, key, "checkpoints need",
-                        f" (free space, or set {key}: 0 to train without them)")
+    kept = checkpoints(folder)
+    on_disk = sum(file.stat().st_size for path in kept for file in path.rglob("*") if file.is_file())
+    own = [path for path in kept if read_state(path).get("fingerprint") == fingerprint]
+    hint = (f" (free space to resume from {own[-1]}; a change to the params would restart at step 0)" if own
+            else f" (free space, or set {key}: 0 to train without them)")
+    io_check_free_space(folder, max(needed, 2 * needed - on_disk), key, "checkpoints need", hint)
 
 
 def save(folder: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any], state: dict[str, Any],
@@ -217,7 +185,3 @@ def restore_files(checkpoint: Checkpoint, files: dict[str, Path]) -> None:
         if source.exists():
             shutil.copytree(source, target)
 
-
-def clear(folder: Path) -> None:
-    """A completed run needs no checkpoints."""
-    shutil.rmtree(folder, ignore_errors=True)

@@ -10,6 +10,7 @@ and the order's state, so a resumed run draws the same batches and the same drop
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +23,8 @@ from tqdm import tqdm
 
 from rlhf.pipeline.errors import TrainingError, interrupted_at
 from rlhf.pipeline.registry import stage
-from rlhf.train import checkpoint
+from rlhf.train import checkpoint, rng
 from rlhf.train.batches import Batches
-from rlhf.train.precision import warmup_cosine
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,6 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
             if plan.fingerprint and (step + 1) % plan.checkpoint_every == 0 and step + 1 < plan.steps:
                 save(folder, plan, step, model, optimizer, schedule, {
                     "losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})
-    if plan.fingerprint:
-        checkpoint.clear(folder)
     return FitResult(losses, earlier + time.perf_counter() - start)
 
 
@@ -100,14 +98,15 @@ def save(folder: Path, plan: FitPlan, step: int, model: torch.nn.Module, optimiz
          schedule: torch.optim.lr_scheduler.LRScheduler, state: dict[str, Any]) -> None:
     """Checkpoint after ``step``: weights, optimizer and schedule, the global RNGs, and the loop's own ``state``."""
     checkpoint.save(folder, step, model, {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()},
-                    {"fingerprint": plan.fingerprint, "rng": checkpoint.rng_states({}), **state}, {})
+                    {"fingerprint": plan.fingerprint, "rng": rng.rng_states({}), **state}, {})
 
 
 def resume(folder: Path, plan: FitPlan, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
            schedule: torch.optim.lr_scheduler.LRScheduler) -> checkpoint.Checkpoint | None:
     """Load this run's newest checkpoint into the model, optimizer, schedule and global RNGs (None: start at step 0).
     The disk is checked first, naming the checkpoint key: a checkpoint is written before the previous one goes."""
-    checkpoint.check_free_space(folder, checkpoint.checkpoint_bytes(model), f"{plan.section}.checkpoint_every")
+    checkpoint.check_free_space(folder, checkpoint.checkpoint_bytes(model), f"{plan.section}.checkpoint_every",
+                                plan.fingerprint)
     found = checkpoint.find(folder, plan.fingerprint)
     if found is None:
         return None
@@ -115,6 +114,19 @@ def resume(folder: Path, plan: FitPlan, model: torch.nn.Module, optimizer: torch
     state = checkpoint.load_optimizer_state(found)
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
-    checkpoint.set_rng_states(found.state["rng"], {})
+    rng.set_rng_states(found.state["rng"], {})
     log.info("%s: resuming after step %d from %s", plan.section, found.step, found.path)
     return found
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                  floor: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to the base LR, then cosine decay to ``floor`` x base LR at ``total_steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

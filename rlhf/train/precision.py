@@ -1,17 +1,11 @@
-"""Pieces every training stage shares: device choice, mixed precision, the LR schedule, the off-switch marker."""
+"""Where and in what precision training runs: device choice, bf16 autocast, the LM head's TF32 on CUDA."""
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
-
-from rlhf.pipeline.io import StagedOutputs, atomic_path, write_text
-
-DISABLED_MARKER = "DISABLED"
 
 
 def pick_device() -> torch.device:
@@ -79,32 +73,3 @@ def cuda_matmul_precision(precision: str) -> Iterator[None]:
             matmul.fp32_precision = before
         else:
             matmul.allow_tf32 = before
-
-
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                  floor: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup to the base LR, then cosine decay to ``floor`` x base LR at ``total_steps``."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def run_switchable(stage_outputs: Iterable[Path], enabled: bool, train: Callable[[StagedOutputs], None], folder: Path,
-                   reason: str, files: dict[Path, str]) -> None:
-    """Run a stage that params can switch off, all its outputs replaced together (``StagedOutputs``): ``train`` when
-    enabled; else ``folder`` holding one fixed line, so its hash (and everything downstream) stays put, plus ``files``
-    (output -> fixed text: the stage's metrics and empty plot files)."""
-    with StagedOutputs(stage_outputs) as outputs:
-        if enabled:
-            train(outputs)
-            return
-        with atomic_path(outputs[folder]) as tmp:
-            tmp.mkdir()
-            (tmp / DISABLED_MARKER).write_text(reason + "\n", encoding="utf-8")
-        for path, text in files.items():
-            write_text(text, outputs[path])

@@ -1,0 +1,342 @@
+"""What a user types or does to a run (arguments, signals, a second run, an unmovable output, odd models and data
+files) gets one line before any work, and no finished run is lost (issue 25).
+
+Stage processes are few and share one tiny ppo project (module scope); each test leaves it as it found it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from conftest import ROOT, TINY, build_tiny_classifier, build_tiny_gpt2, set_params, write_prompts
+from helpers import run, snapshot
+
+from rlhf.models.loading import initial_tokenizer, load_tokenizer
+from rlhf.models.scorers import ClassifierScorer
+from rlhf.pipeline.errors import ModelError, ParamsError, PipelineError
+from rlhf.pipeline.params import defaults, load_params
+from rlhf.train import checkpoint
+
+PPO_CHECKPOINTS = Path("data/checkpoints/ppo")
+
+
+@pytest.fixture(scope="module")
+def ppo_dir(tmp_path_factory: pytest.TempPathFactory, tiny_gpt2_dir: Path, tiny_classifier_dir: Path,
+            tokenizer_dir: Path) -> Path:
+    """A project that can run the tiny ppo stage directly (no git, no DVC), with a finished run's outputs."""
+    root = tmp_path_factory.mktemp("inputs")
+    shutil.copytree(ROOT / "stages", root / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "params.yaml", root / "params.yaml")
+    write_prompts(root, tokenizer_dir)
+    set_params(root, **{"model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir), **TINY})
+    result = run(root)
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    """stderr without the progress bars and the stage's own log lines (``ppo: ...``)."""
+    return [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("ppo")]
+
+
+def start(project: Path, *command: str) -> subprocess.Popen:
+    return subprocess.Popen(list(command or (sys.executable, "-m", "stages.ppo")), cwd=project, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(project)})
+
+
+def wait_for_checkpoint(project: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not checkpoint.checkpoints(project / PPO_CHECKPOINTS):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.1)
+
+
+# --- arguments -------------------------------------------------------------------------------------------------------
+
+
+def test_a_stage_refuses_an_argument_it_would_ignore(ppo_dir: Path) -> None:
+    before = snapshot(ppo_dir, "ppo")
+    result = run(ppo_dir, sys.executable, "-m", "stages.ppo", "--steps", "10")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: python -m stages.ppo takes no arguments but -h (got --steps 10): set "
+                                     "params in params.yaml or with dvc exp run -S key=value")
+    assert snapshot(ppo_dir, "ppo") == before
+
+
+def preset_project(tmp_path: Path) -> Path:
+    shutil.copy2(ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "tiny.yaml").write_text("ppo:\n  steps: 80\n")
+    (tmp_path / "presets" / "local.yaml").write_text("data:\n  source: data/raw/imdb\n")
+    return tmp_path
+
+
+def recipe(project: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.recipe", *args], cwd=project, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_the_recipe_applies_the_users_settings_over_the_preset_and_validates_them(tmp_path: Path) -> None:
+    project = preset_project(tmp_path)
+    result = recipe(project, "tiny", "-S", "ppo.steps=10", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "dvc exp run -S ppo.steps=10"
+
+    result = recipe(project, "tiny", "-S", "ppo.cliprange=abc", "--dry-run")
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith("error: params.yaml: ppo.cliprange: ")
+
+    # no default points at a folder only the project's own machines have: a missing local input names the flag
+    result = recipe(project, "local", "--dry-run")
+    assert result.returncode == 1 and result.stderr.strip() == (
+        "error: --imdb: the preset reads data/raw/imdb, which is missing: pass --imdb FOLDER to copy it there")
+
+
+def test_the_frontier_refuses_a_bad_setting_before_copying_anything(project: Path, imdb_dir: Path) -> None:
+    (project / "presets").mkdir()
+    (project / "presets" / "local.yaml").write_text("data:\n  source: data/raw/imdb\n")
+    subprocess.run(["git", "add", "-A"], cwd=project, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "preset"], cwd=project,
+                   check=True)
+    result = subprocess.run([sys.executable, "-m", "tools.frontier", "local", "--imdb", str(imdb_dir), "--series",
+                             "s", "--set", "ppo.learning_rate=abc"], cwd=project, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(project),
+                                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: params.yaml: ppo.learning_rate: ")
+    assert not (project / "data" / "raw" / "imdb").exists()
+
+
+# --- signals, a second run -------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_while_a_stage_imports_is_one_line_and_status_130(ppo_dir: Path) -> None:
+    process = start(ppo_dir)
+    time.sleep(0.5)  # python is up, torch is being imported
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert stderr.strip() == "interrupted while starting; nothing was run"
+
+
+def test_sigterm_keeps_the_checkpoint_a_second_run_is_refused_and_ctrl_c_repeated_is_one_line(ppo_dir: Path) -> None:
+    before = snapshot(ppo_dir, "ppo")
+    set_params(ppo_dir, **{"ppo.steps": 5000})  # never finishes: every process here is stopped
+    try:
+        first = start(ppo_dir)
+        wait_for_checkpoint(ppo_dir, first)
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=60)
+        assert first.returncode == 128 + signal.SIGTERM
+        lines = [line for line in stderr.splitlines() if line.startswith("stopped")]
+        assert len(lines) == 1 and lines[0].endswith("kept; rerun to resume"), stderr
+        assert "Traceback" not in stderr
+        kept = checkpoint.checkpoints(ppo_dir / PPO_CHECKPOINTS)
+        assert kept and lines[0].startswith("stopped by SIGTERM at step ")
+
+        resumed = start(ppo_dir)
+        lock = ppo_dir / "data/checkpoints/.ppo.lock"
+        while lock.read_text().strip() != str(resumed.pid):  # it holds the lock from before any model loads
+            assert resumed.poll() is None, resumed.communicate()
+            time.sleep(0.1)
+        second = run(ppo_dir)
+        assert second.returncode == 1
+        assert error_lines(second) == [f"error: ppo: another run of this stage is under way in this workspace (pid "
+                                       f"{resumed.pid} holds data/checkpoints/.ppo.lock); wait for it or stop it"]
+
+        newest = kept[-1].name
+        deadline = time.monotonic() + 120
+        while checkpoint.checkpoints(ppo_dir / PPO_CHECKPOINTS)[-1].name == newest:
+            assert resumed.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        for _ in range(3):  # Ctrl-C pressed several times fast
+            resumed.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        _, stderr = resumed.communicate(timeout=60)
+        assert resumed.returncode == 130
+        assert "Traceback" not in stderr and "resuming after step" in stderr
+        assert len([line for line in stderr.splitlines() if line.startswith("interrupted")]) == 1
+        assert snapshot(ppo_dir, "ppo") == before
+    finally:
+        set_params(ppo_dir, **{"ppo.steps": TINY["ppo.steps"]})
+        shutil.rmtree(ppo_dir / PPO_CHECKPOINTS, ignore_errors=True)
+
+
+# --- a finished run is never thrown away -----------------------------------------------------------------------------
+
+
+def test_an_unmovable_output_is_refused_before_any_model_loads(ppo_dir: Path) -> None:
+    if shutil.which("chattr") is None or os.geteuid() != 0:
+        pytest.skip("needs chattr and root")
+    policy = ppo_dir / "models/policy"
+    if subprocess.run(["chattr", "+i", str(policy)], capture_output=True).returncode != 0:
+        pytest.skip("this file system has no immutable flag")
+    try:
+        result = run(ppo_dir)
+    finally:
+        subprocess.run(["chattr", "-i", str(policy)], check=True)
+    assert result.returncode == 1
+    assert error_lines(result) == ["error: models/policy: cannot be replaced (Operation not permitted); nothing was "
+                                   "run"]
+
+
+def test_checkpoints_stay_until_the_outputs_are_in_place(ppo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure while the finished run's outputs move in keeps the newest checkpoint. The fault (a full disk) is
+    raised at the first line of ``StagedOutputs.commit``, as tests/fault.py would, without its tracing's cost."""
+    from rlhf.pipeline.io import StagedOutputs
+    from stages import ppo as ppo_stage
+
+    def disk_full(self: StagedOutputs) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = snapshot(ppo_dir, "ppo")
+    monkeypatch.chdir(ppo_dir)
+    monkeypatch.setattr(StagedOutputs, "commit", disk_full)
+    try:
+        with pytest.raises(OSError, match="No space left on device"):
+            ppo_stage.main()
+        assert snapshot(ppo_dir, "ppo") == before
+        assert [p.name for p in checkpoint.checkpoints(ppo_dir / PPO_CHECKPOINTS)] == ["step-000001"]
+    finally:
+        shutil.rmtree(ppo_dir / PPO_CHECKPOINTS, ignore_errors=True)
+
+
+def test_free_space_asks_for_one_more_checkpoint_and_advice_that_keeps_the_run(tmp_path: Path) -> None:
+    folder = tmp_path / "ppo"
+    kept = folder / "step-000009"
+    kept.mkdir(parents=True)
+    (kept / "state.json").write_text('{"fingerprint": "run-a", "step": 9}')
+    size = 2**26
+    with open(kept / "model.safetensors", "wb") as f:  # sparse: its size counts, no disk is used
+        f.truncate(size)
+    free = shutil.disk_usage(tmp_path).free
+    needed = (free + size // 2) // 2  # two exceed the free space by size/2; one more fits with size/2 to spare
+    checkpoint.check_free_space(folder, needed, "ppo.checkpoint_every", "run-a")
+
+    with pytest.raises(PipelineError) as own:
+        checkpoint.check_free_space(folder, 2**62, "ppo.checkpoint_every", "run-a")
+    assert f"free space to resume from {kept};" in str(own.value) and ": 0" not in str(own.value)
+    with pytest.raises(PipelineError, match=r"or set ppo.checkpoint_every: 0 to train without them"):
+        checkpoint.check_free_space(folder, 2**62, "ppo.checkpoint_every", "run-b")
+
+
+# --- models and data checked before the expensive work ---------------------------------------------------------------
+
+
+def test_a_model_that_cannot_score_is_refused_from_its_config(ppo_dir: Path, tiny_gpt2_dir: Path, tmp_path: Path,
+                                                              tokenizer_dir: Path,
+                                                              capfd: pytest.CaptureFixture) -> None:
+    three = build_tiny_classifier(tmp_path / "three", tokenizer_dir, num_labels=3)
+    logging.getLogger("transformers").setLevel(logging.INFO)
+    for path, what, message in (
+            (tiny_gpt2_dir, "evaluate.judges[0]", "a GPT2LMHeadModel, not a sequence classifier"),
+            (three, "reward.model", "3 outputs and none labelled reward.positive_label='POSITIVE'")):
+        with pytest.raises(ModelError, match=message):
+            ClassifierScorer(str(path), defaults().model, what=what)
+    captured = capfd.readouterr()
+    assert "newly initialized" not in captured.err + captured.out, "weights were loaded before the check"
+
+    # in the stage, before the policy loads: nothing but the one line
+    set_params(ppo_dir, **{"reward.model": str(tiny_gpt2_dir)})
+    try:
+        result = run(ppo_dir)
+    finally:
+        set_params(ppo_dir, **{"reward.model": str(build_tiny_classifier(tmp_path / "clf", tokenizer_dir))})
+    assert result.returncode == 1
+    assert error_lines(result) == [f"error: reward.model: {tiny_gpt2_dir}: a GPT2LMHeadModel, not a sequence "
+                                   "classifier (its score head would be random)"]
+
+
+def test_an_empty_tokenizer_folder_is_named_whole_and_never_ignored(tmp_path: Path, tokenizer_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelError) as error:
+        load_tokenizer(str(empty), defaults().model)
+    assert "\n" not in str(error.value) and not str(error.value).rstrip().endswith(":")
+
+    # ppo with sft.enabled reads models/sft's tokenizer: a model.tokenizer beside it must be that one
+    monkeypatch.chdir(tmp_path)
+    shutil.copy2(ROOT / "params.yaml", "params.yaml")
+    build_tiny_gpt2(tmp_path / "models/sft", tokenizer_dir)
+    set_params(tmp_path, **{"sft.enabled": True, "model.tokenizer": str(empty)})
+    with pytest.raises(ModelError, match=rf"^model.tokenizer: cannot load a tokenizer from '{empty}'"):
+        initial_tokenizer(load_params())
+    set_params(tmp_path, **{"model.tokenizer": str(tokenizer_dir)})
+    assert initial_tokenizer(load_params())[0] == "models/sft"
+
+
+def test_pairs_files_and_splits_are_named_before_any_review_is_read(tmp_path: Path, tokenizer_dir: Path,
+                                                                     imdb_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    from rlhf.pipeline.io import StagedOutputs
+    from rlhf.pipeline.registry import stage
+    from stages import prepare
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy2(ROOT / "params.yaml", "params.yaml")
+    set_params(tmp_path, **{"sft.splits": ["train", "bogus"]})
+    with pytest.raises(ParamsError, match=r"^params.yaml: sft.splits: unknown split 'bogus'"):
+        load_params()
+    set_params(tmp_path, **{"sft.splits": ["train"]})
+
+    pd.DataFrame({"chosen": ["good"] * 50}).to_parquet("pairs.parquet")
+    (tmp_path / "not-imdb").mkdir()  # no split files in it
+    set_params(tmp_path, **{"data.source": str(tmp_path / "not-imdb"), "model.tokenizer": str(tokenizer_dir),
+                            "prepare.pairs_source": "pairs.parquet", "prepare.train_pairs": 256})
+    with pytest.raises(PipelineError, match=r"^pairs.parquet: missing column 'rejected'"), \
+            StagedOutputs(stage("prepare").output_paths) as outputs:
+        prepare.prepare(load_params(), outputs)  # the data source is missing too: the pairs file is read first
+
+    pd.DataFrame({"chosen": ["good"] * 50, "rejected": ["bad"] * 50}).to_parquet("pairs.parquet")
+    set_params(tmp_path, **{"data.source": str(imdb_dir), "prepare.train_prompts": 8, "prepare.eval_prompts": 8})
+    with caplog.at_level(logging.INFO), StagedOutputs(stage("prepare").output_paths) as outputs:
+        prepare.prepare(load_params(), outputs)
+    assert "45 train / 5 test pairs from prepare.pairs_source pairs.parquet (prepare.train_pairs" in caplog.text
+
+
+def test_evaluate_names_the_reference_model_when_its_positions_are_too_few(
+        ppo_dir: Path, tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlhf.pipeline.io import StagedOutputs
+    from rlhf.pipeline.paths import EVAL_PROMPTS, TRAIN_PROMPTS
+    from rlhf.pipeline.registry import stage
+    from stages import evaluate
+
+    short = build_tiny_gpt2(tmp_path / "short", tokenizer_dir, n_positions=16)
+    monkeypatch.chdir(ppo_dir)
+    (tmp_path / "params.yaml").write_bytes(Path("params.yaml").read_bytes())
+    shutil.copy2(TRAIN_PROMPTS, EVAL_PROMPTS)  # prompts of more than 16 - 13 tokens
+    set_params(ppo_dir, **{"model.policy": str(short), "ppo.response_max_tokens": 13})
+    try:
+        with pytest.raises(PipelineError, match=r"exceed the 16 positions of the reference model \(model.policy\)$"), \
+                StagedOutputs(stage("evaluate").output_paths) as outputs:
+            evaluate.evaluate(load_params(), outputs)
+    finally:
+        Path("params.yaml").write_bytes((tmp_path / "params.yaml").read_bytes())
+        EVAL_PROMPTS.unlink()
+
+
+# --- numbers ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_nan_loss_stops_whatever_nan_policy_says_and_does_not_advise_it(tiny_gpt2_dir: Path) -> None:
+    from helpers import make_trainer
+
+    trainer = make_trainer(tiny_gpt2_dir, nan_policy="skip")
+    with pytest.raises(PipelineError) as error:
+        trainer.finite(torch.tensor([float("nan")]), 3, "loss/total", "the PPO loss is NaN/inf", always_stop=True)
+    assert "nan_policy: skip" not in str(error.value) and "whatever ppo.nan_policy says" in str(error.value)
+    assert trainer.finite(torch.tensor([float("nan")]), 3, "score", "a NaN score") is False  # skip still skips
