@@ -3,7 +3,8 @@
 Reads   data/prompts/train.parquet, the initial policy and reference (models/sft when sft.enabled, else
         model.policy), the reward (models/reward when reward.train, else reward.model)
 Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM), value_head.safetensors beside it
-                                (gae only: the other estimators train no value head)
+                                (gae only: the other estimators train no value head); when method is not ppo, only
+                                DISABLED markers here, in data/rollouts/ and in metrics/ppo/
         data/rollouts/*.parquet one row per sample per step
         metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput)
         metrics/ppo.json        summary
@@ -57,7 +58,7 @@ from rlhf.rl.rollout_log import RolloutWriter, experience_rows
 from rlhf.rl.trainer import PPOTrainer
 from rlhf.train import checkpoint
 from rlhf.train.batches import Batches, ShuffledBatches
-from rlhf.train.precision import pick_device
+from rlhf.train.precision import DISABLED_MARKER, pick_device, write_disabled
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ppo")
 
 CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
+DISABLED = "method is not ppo: evaluate reads the method's own policy"
 
 STAGE = Stage(
     # prompt_max_tokens: ppo checks that the longest prompt plus response fits the policy's positions
@@ -83,6 +85,12 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
+    if params.method != "ppo":
+        with StagedOutputs(STAGE.output_paths) as outputs:
+            write_disabled(outputs, POLICY_DIR, DISABLED, {PPO_METRICS: '{"trained": false}\n',
+                                                           ROLLOUTS_DIR / DISABLED_MARKER: DISABLED + "\n",
+                                                           PPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
+        return
     prompts = read_prompts(TRAIN_PROMPTS)
     cfg = params.ppo
     if len(prompts) < cfg.prompts_per_step:

@@ -61,8 +61,12 @@ def test_stage_params_are_json_ready_and_honour_exclude() -> None:
 
 
 def test_ppo_params_are_read_only_by_ppo_and_evaluate() -> None:
+    """...and by sample_pairs, for the sampling settings only: sampled pairs are what the initial policy writes when
+    sampled as ppo and evaluate sample."""
     readers = {name for name in stage_names() for k in stage(name).params if k == "ppo" or k.startswith("ppo.")}
-    assert readers == {"ppo", "evaluate"}
+    assert readers == {"ppo", "evaluate", "sample_pairs"}
+    sampling = {"ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature"}
+    assert {k for k in stage("sample_pairs").params if k.startswith("ppo.")} == sampling
     assert not any(k.startswith("ppo") or k == "evaluate" for k in stage("prepare").params)
 
 

@@ -193,6 +193,17 @@ def initial_policy(params: Params) -> tuple[str, str, str]:
     return params.model.policy, params.tokenizer_path, "model.policy"
 
 
+def load_initial_policy(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """The initial policy (also the frozen reference) and its tokenizer, checked against each other, and what it is
+    called in messages (``initial_policy``'s key or folder)."""
+    path, tokenizer_path, what = initial_policy(params)
+    tokenizer = load_tokenizer(tokenizer_path, params.model,
+                               what=what if path == tokenizer_path else "model.tokenizer")
+    lm = load_causal_lm(path, params.model, what=what)
+    check_vocab_match(tokenizer, lm, what)
+    return lm, tokenizer, what
+
+
 def context_size(lm: PreTrainedModel) -> int:
     """How many positions the model can attend over (GPT-2: n_positions; most others: max_position_embeddings)."""
     config = lm.config

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from rlhf.pipeline.dpo_params import DpoParams
 from rlhf.pipeline.paths import is_local
 from rlhf.pipeline.sections import PathOrId, Rule, Section, at_most, judge_name
 from rlhf.rl.estimators import ESTIMATORS
@@ -289,6 +290,8 @@ class EvaluateParams(Section):
     """Prompts per generate/score/forward batch."""
     examples: int = Field(ge=0)
     """Before/after examples in the Markdown report."""
+    best_of_n: int = Field(ge=1)
+    """N of method best_of_n: responses sampled from the reference per eval prompt, the reward scorer's best kept."""
 
     @property
     def judge_names(self) -> list[str]:
@@ -308,12 +311,17 @@ class EvaluateParams(Section):
 class Params(Section):
     seed: int = Field(ge=0)
     """Seed of every random generator (each output derives its own from it)."""
+    method: Literal["ppo", "dpo", "best_of_n"]
+    """How the evaluated policy is made from the initial one: ppo (RL against the reward scorer, the ppo stage), dpo
+    (DPO or IPO on preference pairs, the dpo stage) or best_of_n (no training: the reward scorer's best of
+    evaluate.best_of_n reference samples). The other methods' stages write only a marker."""
     data: DataParams
     model: ModelParams
     prepare: PrepareParams
     sft: SftParams
     reward: RewardParams
     ppo: PpoParams
+    dpo: DpoParams
     evaluate: EvaluateParams
 
     @property

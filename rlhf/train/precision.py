@@ -102,9 +102,14 @@ def run_switchable(stage_outputs: Iterable[Path], enabled: bool, train: Callable
     with StagedOutputs(stage_outputs) as outputs:
         if enabled:
             train(outputs)
-            return
-        with atomic_path(outputs[folder]) as tmp:
-            tmp.mkdir()
-            (tmp / DISABLED_MARKER).write_text(reason + "\n", encoding="utf-8")
-        for path, text in files.items():
-            write_text(text, outputs[path])
+        else:
+            write_disabled(outputs, folder, reason, files)
+
+
+def write_disabled(outputs: StagedOutputs, folder: Path, reason: str, files: dict[Path, str]) -> None:
+    """A switched-off stage's outputs: ``folder`` holding one fixed line, and ``files`` (output -> fixed text)."""
+    with atomic_path(outputs[folder]) as tmp:
+        tmp.mkdir()
+        (tmp / DISABLED_MARKER).write_text(reason + "\n", encoding="utf-8")
+    for path, text in files.items():
+        write_text(text, outputs[path])
