@@ -130,8 +130,7 @@ def load_policy(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTraine
         return None
     folder = POLICIES[params.method][0]
     if not (folder / "config.json").exists():
-        raise ModelError(f"{folder}: no trained policy here (run the {params.method} stage with method "
-                         f"{params.method})")
+        raise ModelError(f"{folder}: no trained policy here (run the {params.method} stage)")
     policy = load_causal_lm(str(folder), params.model, what=str(folder))
     check_vocab_match(tokenizer, policy, str(folder))
     return policy

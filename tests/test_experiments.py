@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import dvc, set_params
 
-ALL_STAGES = {"prepare", "sft", "reward", "ppo", "evaluate"}
+ALL_STAGES = {"prepare", "sft", "reward", "ppo", "sample_pairs", "dpo", "evaluate"}  # the off ones write a marker
 
 
 def ran_stages(result: subprocess.CompletedProcess) -> set[str]:

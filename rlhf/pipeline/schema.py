@@ -342,4 +342,6 @@ class Params(Section):
         if s.enabled and s.base == "scratch" and longest > s.n_positions:
             raise Rule("ppo.response_max_tokens", f"prompt_max_tokens + response_max_tokens ({longest}) must fit "
                                                   f"sft.n_positions ({s.n_positions})", self.ppo.response_max_tokens)
+        if s.enabled and s.base == "scratch" and self.dpo.max_length > s.n_positions:
+            raise Rule("dpo.max_length", f"must fit sft.n_positions ({s.n_positions})", self.dpo.max_length)
         return self
