@@ -70,7 +70,7 @@ DISABLED = "method is not ppo: evaluate reads the method's own policy"
 
 STAGE = Stage(
     # prompt_max_tokens: ppo checks that the longest prompt plus response fits the policy's positions
-    params=("seed", "model", "sft.enabled", "prepare.prompt_max_tokens", "reward.train", "reward.model",
+    params=("seed", "method", "model", "sft.enabled", "prepare.prompt_max_tokens", "reward.train", "reward.model",
             "reward.positive_label", "ppo"),
     inputs=(PROMPTS_DIR, SFT_DIR, REWARD_DIR),
     outputs=(Output(POLICY_DIR), Output(ROLLOUTS_DIR), Output(PPO_CURVES, cache=False),
