@@ -32,7 +32,7 @@ from bench.compare import bench_env, setup_venv
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.policy import PolicyWithValueHead
 from rlhf.pipeline.params import defaults
-from rlhf.pipeline.schema import PpoParams
+from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl.rollout import Samples, left_pad
 from rlhf.rl.trainer import PPOTrainer
 

@@ -1,7 +1,11 @@
 """evaluate: sentiment and KL of the final policy against the reference (the initial policy) on held-out prompts.
 
-Reads   data/prompts/eval.parquet, models/policy, the reference (models/sft when sft.enabled, else model.policy),
-        the reward (models/reward when reward.train, else reward.model), the judges of evaluate.judges
+The policy is method's: models/policy (ppo), models/dpo (dpo), or for best_of_n no model but the reward scorer's best
+of evaluate.best_of_n reference responses per prompt, whose KL is reported as the analytic bound log N - (N-1)/N
+(kl.best_of_n_bound) instead of the sampled and exact KL. Everything else is measured the same way for every method.
+
+Reads   data/prompts/eval.parquet, the policy of method, the reference (models/sft when sft.enabled, else
+        model.policy), the reward (models/reward when reward.train, else reward.model), the judges of evaluate.judges
 Writes  metrics/eval.json                     flat keys (see rlhf/eval/evaluation.py) for dvc metrics diff
         data/eval/samples.parquet             query, response_before/after, every score before/after, kl, kl_full
         metrics/evaluate/report.md            before/after summary and examples
@@ -14,17 +18,19 @@ from __future__ import annotations
 import logging
 
 import pyarrow as pa
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.prompts import check_prompts, read_prompts
 from rlhf.eval.evaluation import REWARD, evaluate_policy, markdown_report
 from rlhf.eval.plots import histogram
-from rlhf.models.loading import check_vocab_match, initial_tokenizer, load_causal_lm
+from rlhf.models.loading import check_vocab_match, load_causal_lm, load_initial_policy
 from rlhf.models.scorers import make_reward_scorer, make_scorer, reward_model_path
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import StagedOutputs, write_json, write_parquet, write_text
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import (
+    DPO_DIR,
     EVAL_DIR,
     EVAL_HISTOGRAM,
     EVAL_METRICS,
@@ -44,13 +50,18 @@ from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("evaluate")
 
+BEST_OF_N = (" After: for each prompt, the reward's best of {n} reference responses (the first of them the "
+             "reference's own, so best of 1 is the reference), every judge scoring the chosen one; its KL is the "
+             "analytic bound log N - (N-1)/N, not a sample estimate.")
+POLICIES = {"ppo": (POLICY_DIR, "PPO policy"), "dpo": (DPO_DIR, "DPO policy")}  # method -> its trained policy
+
 STAGE = Stage(
     __spec__.name,
-    params=("seed", "model.policy", "model.tokenizer", "model.revision", "model.trust_remote_code",
+    params=("seed", "method", "model.policy", "model.tokenizer", "model.revision", "model.trust_remote_code",
             "model.allow_pickle", "sft.enabled", "reward.train", "reward.model", "reward.positive_label",
             "ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature",
             "evaluate"),
-    inputs=(PROMPTS_DIR, POLICY_DIR, SFT_DIR, REWARD_DIR),
+    inputs=(PROMPTS_DIR, POLICY_DIR, DPO_DIR, SFT_DIR, REWARD_DIR),
     outputs=(Output(EVAL_DIR), Output(EVAL_REPORT_DIR, cache=False), Output(EVAL_METRICS, "metrics", cache=False)),
     out_of_memory="lower evaluate.batch_size",
 )
@@ -64,13 +75,14 @@ def describe(params: Params, n: int) -> str:
     return (f"{n} held-out prompts from `{EVAL_PROMPTS}`. Each model answers every prompt once, with the same "
             f"per-prompt response length ({cfg.response_min_tokens}-{cfg.response_max_tokens} tokens) and seed "
             f"({params.seed}), sampled as in training (top_k={cfg.top_k}, top_p={cfg.top_p}, "
-            f"temperature={cfg.temperature}). Reward: `{reward_model_path(params)[0]}`. Judges: {judges or 'none'}.")
+            f"temperature={cfg.temperature}). Reward: `{reward_model_path(params)[0]}`. Judges: {judges or 'none'}."
+            + (BEST_OF_N.format(n=params.evaluate.best_of_n) if params.method == "best_of_n" else ""))
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    with StagedOutputs(STAGE.output_paths, STAGE) as outputs:
+    with StagedOutputs.of(STAGE) as outputs:
         evaluate(params, outputs)
 
 
@@ -84,13 +96,11 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
     scorers = {REWARD: make_reward_scorer(params, device)}
     for i, (name, spec) in enumerate(zip(names, params.evaluate.judges, strict=True)):
         scorers[name] = make_scorer(spec, params, device, what=f"evaluate.judges[{i}]")
-    path, what, tokenizer = initial_tokenizer(params)
-    reference = load_causal_lm(path, params.model, what=what).to(device).eval()
-    if not (POLICY_DIR / "config.json").exists():
-        raise ModelError(f"{POLICY_DIR}: no trained policy here (run the ppo stage)")
-    policy = load_causal_lm(str(POLICY_DIR), params.model, what=str(POLICY_DIR)).to(device).eval()
-    check_vocab_match(tokenizer, reference, what)
-    check_vocab_match(tokenizer, policy, str(POLICY_DIR))
+    reference, tokenizer, what = load_initial_policy(params)
+    reference.to(device).eval()
+    policy = load_policy(params, tokenizer)
+    if policy is not None:
+        policy.to(device).eval()
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens,
                   f"the reference model ({what})")
 
@@ -101,11 +111,32 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
     scores = {"before": samples["reward_before"].to_numpy(), "after": samples["reward_after"].to_numpy()}
     write_text(histogram(scores, x="bin").to_csv(index=False), outputs[EVAL_HISTOGRAM])
     write_text(markdown_report(samples, metrics, list(scorers), params.evaluate.examples,
-                               describe(params, len(samples))), outputs[EVAL_REPORT])
+                               describe(params, len(samples)), after(params)), outputs[EVAL_REPORT])
     write_json(metrics, outputs[EVAL_METRICS])
-    log.info("evaluate: reward %.3f -> %.3f, positive %.2f -> %.2f, KL %.3f (exact %.3f); report in %s",
+    kl = (f"KL bound {metrics['kl.best_of_n_bound']:.3f}" if "kl.best_of_n_bound" in metrics else
+          f"KL {metrics['kl.mean']:.3f} (exact {metrics['kl.full_mean']:.3f})")
+    log.info("evaluate: %s: reward %.3f -> %.3f, positive %.2f -> %.2f, %s; report in %s", after(params),
              metrics["reference.reward_mean"], metrics["policy.reward_mean"], metrics["reference.positive_rate"],
-             metrics["policy.positive_rate"], metrics["kl.mean"], metrics["kl.full_mean"], EVAL_REPORT)
+             metrics["policy.positive_rate"], kl, EVAL_REPORT)
+
+
+def after(params: Params) -> str:
+    """What the report calls the evaluated policy."""
+    if params.method in POLICIES:
+        return POLICIES[params.method][1]
+    return f"best of {params.evaluate.best_of_n} reference samples"
+
+
+def load_policy(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel | None:
+    """The trained policy of ``method`` (None for best_of_n, which trains none), checked against the tokenizer."""
+    if params.method not in POLICIES:
+        return None
+    folder = POLICIES[params.method][0]
+    if not (folder / "config.json").exists():
+        raise ModelError(f"{folder}: no trained policy here (run the {params.method} stage)")
+    policy = load_causal_lm(str(folder), params.model, what=str(folder))
+    check_vocab_match(tokenizer, policy, str(folder))
+    return policy
 
 
 if __name__ == "__main__":

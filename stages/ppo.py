@@ -3,7 +3,8 @@
 Reads   data/prompts/train.parquet, the initial policy and reference (models/sft when sft.enabled, else
         model.policy), the reward (models/reward when reward.train, else reward.model)
 Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM), value_head.safetensors beside it
-                                (gae only: the other estimators train no value head)
+                                (gae only: the other estimators train no value head); when method is not ppo, only
+                                DISABLED markers here, in data/rollouts/ and in metrics/ppo/
         data/rollouts/*.parquet one row per sample per step
         metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput)
         metrics/ppo.json        summary
@@ -38,7 +39,7 @@ from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
 from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError, ModelError, interrupted_at
-from rlhf.pipeline.io import StagedOutputs, write_json
+from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, write_disabled, write_json
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import (
     POLICY_DIR,
@@ -66,11 +67,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("ppo")
 
 CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
+DISABLED = "method is not ppo: evaluate reads the method's own policy"
 
 STAGE = Stage(
     __spec__.name,
     # prompt_max_tokens: ppo checks that the longest prompt plus response fits the policy's positions
-    params=("seed", "model", "sft.enabled", "prepare.prompt_max_tokens", "reward.train", "reward.model",
+    params=("seed", "method", "model", "sft.enabled", "prepare.prompt_max_tokens", "reward.train", "reward.model",
             "reward.positive_label", "ppo"),
     inputs=(PROMPTS_DIR, SFT_DIR, REWARD_DIR),
     outputs=(Output(POLICY_DIR), Output(ROLLOUTS_DIR), Output(PPO_CURVES, cache=False),
@@ -85,6 +87,12 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
+    if params.method != "ppo":
+        with StagedOutputs.of(STAGE) as outputs:
+            write_disabled(outputs, POLICY_DIR, DISABLED, {PPO_METRICS: '{"trained": false}\n',
+                                                           ROLLOUTS_DIR / DISABLED_MARKER: DISABLED + "\n",
+                                                           PPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
+        return
     prompts = read_prompts(TRAIN_PROMPTS)
     cfg = params.ppo
     if len(prompts) < cfg.prompts_per_step:
@@ -94,7 +102,7 @@ def main() -> None:
         log.info("ppo: advantage_estimator %s ignores %s", cfg.advantage_estimator, ", ".join(cfg.unused_keys))
     accelerator = Accelerator(cpu=pick_device().type == "cpu")
     # only the main process writes outputs
-    staged = StagedOutputs(STAGE.output_paths, STAGE) if accelerator.is_main_process else contextlib.nullcontext()
+    staged = StagedOutputs.of(STAGE) if accelerator.is_main_process else contextlib.nullcontext()
     with staged as outputs:
         run(params, prompts, accelerator, outputs)
 

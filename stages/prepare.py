@@ -41,7 +41,7 @@ STAGE = Stage(
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params = load_params()
-    with StagedOutputs(STAGE.output_paths, STAGE) as outputs:
+    with StagedOutputs.of(STAGE) as outputs:
         prepare(params, outputs)
 
 

@@ -6,6 +6,7 @@ Test modules import from here or from conftest, never from one another.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,11 @@ def run(project: Path, *command: str) -> subprocess.CompletedProcess:
     """Run ``command`` (default: the ppo stage) in ``project`` with its own ``stages`` package."""
     return subprocess.run(list(command or (sys.executable, "-m", "stages.ppo")), cwd=project, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(project)})
+
+
+def ran_stages(result: subprocess.CompletedProcess) -> set[str]:
+    """The stages a ``dvc repro`` / ``dvc exp run`` ran."""
+    return set(re.findall(r"Running stage '(\w+)'", result.stdout + result.stderr))
 
 
 def run_cli(project: Path, stage: str) -> subprocess.CompletedProcess:

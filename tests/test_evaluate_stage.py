@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -12,9 +13,18 @@ import torch
 from conftest import NEUTRAL_WORDS, POSITIVE_WORDS, ROOT, build_tiny_gpt2, set_params
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf.models.scorers import judge_name
+from rlhf.models.scorers import ClassifierScorer, VaderScorer, judge_name
 from rlhf.pipeline.errors import DataError, ModelError, ParamsError
-from rlhf.pipeline.paths import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_PROMPTS, EVAL_REPORT, EVAL_SAMPLES, POLICY_DIR
+from rlhf.pipeline.params import defaults
+from rlhf.pipeline.paths import (
+    DPO_DIR,
+    EVAL_HISTOGRAM,
+    EVAL_METRICS,
+    EVAL_PROMPTS,
+    EVAL_REPORT,
+    EVAL_SAMPLES,
+    POLICY_DIR,
+)
 from rlhf.rl.rollout import response_lengths
 from stages.evaluate import main
 
@@ -154,3 +164,58 @@ def test_eval_prompts_from_another_tokenizer_fail_naming_the_row(stage_dir: Path
                                         r"400 ids"):
         main()
     assert outputs_untouched()
+
+
+def test_method_dpo_evaluates_models_dpo(stage_dir: Path, tiny_gpt2_dir: Path, tokenizer_dir: Path) -> None:
+    shutil.rmtree(POLICY_DIR)
+    build_tiny_gpt2(POLICY_DIR, tokenizer_dir, seed=1)  # a PPO policy unlike the reference: evaluate must not read it
+    shutil.copytree(tiny_gpt2_dir, DPO_DIR)
+    set_params(stage_dir, **{"method": "dpo"})
+    main()
+    metrics = json.loads(EVAL_METRICS.read_text())
+    assert metrics["kl.full_mean"] < 1e-4 and metrics["policy.reward_mean"] == metrics["reference.reward_mean"]
+    assert "after (DPO policy)" in EVAL_REPORT.read_text()
+
+    shutil.rmtree(DPO_DIR)
+    with pytest.raises(ModelError, match=r"^models/dpo: no trained policy here \(run the dpo stage\)"):
+        main()
+
+
+def best_of(stage_dir: Path, n: int) -> tuple[dict[str, float], pd.DataFrame]:
+    set_params(stage_dir, **{"method": "best_of_n", "evaluate.best_of_n": n})
+    main()
+    return json.loads(EVAL_METRICS.read_text()), pd.read_parquet(EVAL_SAMPLES)
+
+
+def test_best_of_one_is_the_reference(stage_dir: Path) -> None:
+    shutil.rmtree(POLICY_DIR)  # best-of-N trains no policy and reads none
+    metrics, samples = best_of(stage_dir, 1)
+    assert (samples["response_after"] == samples["response_before"]).all()
+    for key, value in metrics.items():
+        if key.startswith("policy."):
+            assert value == metrics[key.replace("policy.", "reference.")], key
+        elif key.startswith("judge.") and "_policy_" not in key and ".policy_" in key:
+            assert value == metrics[key.replace(".policy_", ".reference_")], key
+    assert metrics["fluency.ref_perplexity"] == metrics["fluency.reference_ref_perplexity"]
+    assert metrics["diversity.distinct2"] == metrics["diversity.reference_distinct2"]
+    assert metrics["kl.best_of_n_bound"] == 0 and "kl.mean" not in metrics and "kl" not in samples
+
+
+def test_best_of_n_keeps_the_reward_s_best_and_every_judge_scores_it(stage_dir: Path,
+                                                                     tiny_classifier_dir: Path) -> None:
+    shutil.rmtree(POLICY_DIR)
+    _, one = best_of(stage_dir, 1)
+    metrics, four = best_of(stage_dir, 4)
+    assert (four["query"] == one["query"]).all() and (four["response_before"] == one["response_before"]).all()
+    assert (four["reward_after"] >= one["reward_after"]).all() and (four["reward_after"] > one["reward_after"]).any()
+    assert metrics["kl.best_of_n_bound"] == pytest.approx(math.log(4) - 3 / 4)
+    assert metrics["policy.reward_mean"] > metrics["reference.reward_mean"]
+    # the judges score the chosen responses, not the reference's
+    vader = VaderScorer()(four["query"].tolist(), four["response_after"].tolist())
+    assert four["judge_vader_after"].tolist() == pytest.approx(vader.tolist())
+    clf = ClassifierScorer(str(tiny_classifier_dir), defaults().model)
+    chosen = clf(four["query"].tolist(), four["response_after"].tolist())
+    assert four[f"judge_{judge_name(str(tiny_classifier_dir))}_after"].tolist() == pytest.approx(chosen.tolist(),
+                                                                                                   abs=1e-5)
+    report = EVAL_REPORT.read_text()
+    assert "after (best of 4 reference samples)" in report and "the analytic bound log N - (N-1)/N" in report

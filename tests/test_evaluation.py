@@ -156,7 +156,7 @@ def test_markdown_report_tables() -> None:
         "response_after": ["line\nbreak"] + ["y"] * (n - 1),
         "reward_before": scores["reference"][REWARD], "reward_after": scores["policy"][REWARD]})
 
-    report = markdown_report(samples, metrics, [REWARD, "vader"], examples=3, context="ctx")
+    report = markdown_report(samples, metrics, [REWARD, "vader"], examples=3, context="ctx", after="PPO policy")
 
     summary = next(line for line in report.splitlines() if line.startswith("| reward |"))
     assert f"{metrics['policy.reward_mean']:.3f}" in summary and f"{metrics['reference.positive_rate']:.3f}" in summary

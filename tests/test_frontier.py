@@ -164,7 +164,7 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
 
     # the first point runs the whole DAG, the second only what the KL knob feeds
     assert points_log(run_frontier(project, "tiny", "--kl-coef", "0.5,0.05")) == {
-        "tiny-kl0.5": ("ran", {"prepare", "sft", "reward", "ppo", "evaluate"}),
+        "tiny-kl0.5": ("ran", {"prepare", "sft", "reward", "ppo", "sample_pairs", "dpo", "evaluate"}),
         "tiny-kl0.05": ("ran", {"ppo", "evaluate"})}
     shown = exp_show(project)
     table = pd.read_csv(project / "metrics" / "frontier" / "tiny.csv")

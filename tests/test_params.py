@@ -61,8 +61,12 @@ def test_stage_params_are_json_ready_and_honour_exclude() -> None:
 
 
 def test_ppo_params_are_read_only_by_ppo_and_evaluate() -> None:
+    """...and by sample_pairs, for the sampling settings only: sampled pairs are what the initial policy writes when
+    sampled as ppo and evaluate sample."""
     readers = {name for name in stage_names() for k in stage(name).params if k == "ppo" or k.startswith("ppo.")}
-    assert readers == {"ppo", "evaluate"}
+    assert readers == {"ppo", "evaluate", "sample_pairs"}
+    sampling = {"ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature"}
+    assert {k for k in stage("sample_pairs").params if k.startswith("ppo.")} == sampling
     assert not any(k.startswith("ppo") or k == "evaluate" for k in stage("prepare").params)
 
 
@@ -138,6 +142,15 @@ def test_scratch_model_must_hold_prompt_and_response(raw: dict) -> None:
         parse_params(raw, ROOT)
 
 
+def test_dpo_responses_must_fit_a_scratch_policy(raw: dict) -> None:
+    raw["sft"].update(enabled=True, base="scratch", n_positions=32, block_size=32)
+    raw["ppo"]["response_max_tokens"] = 16
+    raw["dpo"]["max_length"] = 48
+    with pytest.raises(ParamsError) as err:
+        parse_params(raw, ROOT)
+    assert str(err.value) == "params.yaml: dpo.max_length: must fit sft.n_positions (32) (got 48)"
+
+
 def test_ints_are_accepted_for_floats(raw: dict) -> None:
     raw["ppo"]["learning_rate"] = 1
     p = parse_params(raw, ROOT)
@@ -157,6 +170,15 @@ def test_ints_are_accepted_for_floats(raw: dict) -> None:
     ("sft.splits", [], "must not be empty (got [])"),
     ("model.precision", "fp16", "must be one of auto, fp32, bf16 (got 'fp16')"),
     ("data.source", 3, "must be a str (got 3)"),
+    ("method", "rlhf", "must be one of ppo, dpo, best_of_n (got 'rlhf')"),
+    ("dpo.beta", 0, "must be > 0 (got 0)"),
+    ("dpo.tau", -0.1, "must be > 0 (got -0.1)"),
+    ("dpo.label_smoothing", 0.5, "must be in [0, 0.5) (got 0.5)"),
+    ("dpo.loss", "sigmoid", "must be one of dpo, ipo (got 'sigmoid')"),
+    ("dpo.pairs", "human", "must be one of prepare, sampled (got 'human')"),
+    ("dpo.samples_per_prompt", 1, "must be >= 2 (got 1)"),
+    ("dpo.sample_prompts", 0, "must be > 0 (got 0)"),
+    ("evaluate.best_of_n", 0, "must be >= 1 (got 0)"),
 ])
 def test_strict_types_and_declared_bounds(raw: dict, dotted: str, value: object, rule: str) -> None:
     with pytest.raises(ParamsError) as err:
@@ -169,6 +191,8 @@ def test_strict_types_and_declared_bounds(raw: dict, dotted: str, value: object,
                   "the project's default: 194)"),
     ("evaluate", "params.yaml: evaluate: missing (params.yaml is the DVC cache key: every key must be written out; "
                  "a section)"),
+    ("dpo.beta", "params.yaml: dpo.beta: missing (params.yaml is the DVC cache key: every key must be written out; "
+                 "the project's default: 0.1)"),
 ])
 def test_a_missing_key_is_an_error_not_a_default(raw: dict, dotted: str, message: str) -> None:
     *parents, last = dotted.split(".")

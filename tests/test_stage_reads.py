@@ -58,15 +58,20 @@ def run_recording(stage: str, monkeypatch: pytest.MonkeyPatch) -> set[str]:
     return reads
 
 
+DPO = {"method": "dpo", "dpo.pairs": "sampled", "dpo.sample_prompts": 8, "dpo.batch_size": 4, "dpo.max_length": 24,
+       "dpo.checkpoint_every": 1}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("trained", [False, True], ids=["classic", "sft-and-reward-trained"])
-def test_stages_read_only_declared_params(trained: bool, project: Path, imdb_dir: Path, tokenizer_dir: Path,
-                                          tiny_gpt2_dir: Path, tiny_classifier_dir: Path,
+@pytest.mark.parametrize(("trained", "method"), [(False, {}), (True, {}), (False, DPO)],
+                         ids=["classic", "sft-and-reward-trained", "dpo-on-sampled-pairs"])
+def test_stages_read_only_declared_params(trained: bool, method: dict, project: Path, imdb_dir: Path,
+                                          tokenizer_dir: Path, tiny_gpt2_dir: Path, tiny_classifier_dir: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     write_prompts(project, tokenizer_dir)
     set_params(project, **{"data.source": str(imdb_dir), "model.policy": str(tiny_gpt2_dir),
                            "reward.model": str(tiny_classifier_dir),
-                           "evaluate.judges": ["vader", str(tiny_classifier_dir)], **TINY,
+                           "evaluate.judges": ["vader", str(tiny_classifier_dir)], **TINY, **method,
                            **({"model.tokenizer": str(tokenizer_dir), **TRAINED} if trained else {})})
     monkeypatch.chdir(project)
     for stage in stage_names():

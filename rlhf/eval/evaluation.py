@@ -2,7 +2,8 @@
 code path (rlhf.rl.rollout), scoring, sequence KL, fluency, diversity, the flat metrics, the before/after report.
 
 Runs are named after the model that sampled them: ``reference`` (the initial policy, "before") and ``policy`` (the
-PPO policy, "after"), plus ``reference_greedy`` / ``policy_greedy`` when evaluate.greedy is on. Scorers are the
+trained policy of ``method``, "after"; for best_of_n the reward scorer's best of N reference responses), plus
+``reference_greedy`` / ``policy_greedy`` when evaluate.greedy is on. Scorers are the
 training reward (named ``reward``) and the judges of evaluate.judges, named by ``params.judge_name``: ``vader``,
 or a model id/dir's last path component with every run of characters outside [A-Za-z0-9_-] replaced by ``_``
 ("lvwerra/distilbert-imdb" -> "distilbert-imdb", "models/my.clf/" -> "my_clf").
@@ -11,19 +12,19 @@ or a model id/dir's last path component with every run of characters outside [A-
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import torch
-from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf.eval.sampling import Run, best_of_n_run, sample_run, score_run
 from rlhf.models.logprobs import logprobs_from_logits
 from rlhf.models.scorers import Scorer
 from rlhf.pipeline.schema import Params
 from rlhf.rl.ppo import kl_penalty
-from rlhf.rl.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
+from rlhf.rl.preference import best_of_n_kl
+from rlhf.rl.rollout import SamplingParams, forward, response_lengths
 
 REWARD = "reward"
 VADER = "vader"
@@ -96,61 +97,30 @@ def distinct_n(sequences: Sequence[Sequence[int]], n: int) -> float:
 
 
 def eval_metrics(scores: dict[str, dict[str, np.ndarray]], stats: dict[str, dict[str, np.ndarray]],
-                 response_ids: dict[str, Sequence[Sequence[int]]]) -> dict[str, float]:
+                 response_ids: dict[str, Sequence[Sequence[int]]], best_of: int | None = None) -> dict[str, float]:
     """The flat, stable keys of metrics/eval.json.
 
     scores[run][scorer]: per-sample scores of every run; stats[run] (``response_stats``) and response_ids[run] for
-    the sampled runs ``policy`` (with its KL) and ``reference``.
+    the sampled runs ``policy`` (with its KL) and ``reference``. ``best_of``: N when the policy run is best-of-N,
+    which has no sampled or exact KL but the analytic bound, ``kl.best_of_n_bound``.
     """
     metrics: dict[str, float] = {}
     for run, by_scorer in scores.items():
         for scorer, values in by_scorer.items():
             for stat, value in score_stats(values, positive_threshold(scorer)).items():
                 metrics[score_key(scorer, run, stat)] = value
-    for stat, value in spread_stats(stats["policy"]["kl"]).items():
-        metrics[f"kl.{stat}"] = value
-    for stat, value in spread_stats(stats["policy"]["kl_full"]).items():
-        metrics[f"kl.full_{stat}"] = value
+    if best_of is not None:
+        metrics["kl.best_of_n_bound"] = best_of_n_kl(best_of)
+    else:
+        for stat, value in spread_stats(stats["policy"]["kl"]).items():
+            metrics[f"kl.{stat}"] = value
+        for stat, value in spread_stats(stats["policy"]["kl_full"]).items():
+            metrics[f"kl.full_{stat}"] = value
     for run, prefix in (("policy", ""), ("reference", "reference_")):
         metrics[f"fluency.{prefix}ref_perplexity"] = perplexity(stats[run]["ref_nll"], stats[run]["n_tokens"])
         for n in (1, 2):
             metrics[f"diversity.{prefix}distinct{n}"] = distinct_n(response_ids[run], n)
     return metrics
-
-
-@dataclass
-class Run:
-    """One model's responses to every eval prompt, batch by batch as generate() returned them."""
-
-    batches: list[Samples]
-    texts: list[str]
-
-    @property
-    def response_ids(self) -> list[list[int]]:
-        return [r[m].tolist() for s in self.batches for r, m in zip(s.responses, s.response_mask, strict=True)]
-
-
-def sample_run(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids: list[list[int]],
-               lengths: list[int], sampling: SamplingParams, batch_size: int, seed: int, desc: str) -> Run:
-    """Responses to every query through the training sampler; reseeding first gives every run the same draws."""
-    torch.manual_seed(seed)
-    batches, texts = [], []
-    for start in tqdm(range(0, len(query_ids), batch_size), desc=desc, unit="batch"):
-        end = start + batch_size
-        batches.append(generate(lm, tokenizer, query_ids[start:end], lengths[start:end], sampling))
-        texts += decode_responses(tokenizer, batches[-1])
-    return Run(batches, texts)
-
-
-def score_run(scorers: dict[str, Scorer], queries: list[str], responses: list[str], batch_size: int,
-              desc: str) -> dict[str, np.ndarray]:
-    """Every scorer's (B,) scores of query + response."""
-    chunks: dict[str, list[torch.Tensor]] = {name: [] for name in scorers}
-    for start in tqdm(range(0, len(queries), batch_size), desc=desc, unit="batch"):
-        end = start + batch_size
-        for name, scorer in scorers.items():
-            chunks[name].append(scorer(queries[start:end], responses[start:end]))
-    return {name: torch.cat(c).float().numpy() for name, c in chunks.items()}
 
 
 @torch.no_grad()
@@ -182,25 +152,35 @@ def samples_table(queries: list[str], runs: dict[str, Run], scores: dict[str, di
     table: dict[str, object] = {"query": queries}
     table |= {f"response_{SIDES[run]}": r.texts for run, r in runs.items()}
     table |= {score_column(scorer, run): scores[run][scorer] for scorer in scores["policy"] for run in scores}
-    return pd.DataFrame(table | {"kl": policy_stats["kl"], "kl_full": policy_stats["kl_full"]})
+    return pd.DataFrame(table | {key: policy_stats[key] for key in ("kl", "kl_full") if key in policy_stats})
 
 
-def evaluate_policy(policy: PreTrainedModel, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+def evaluate_policy(policy: PreTrainedModel | None, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                     scorers: dict[str, Scorer], queries: list[str], query_ids: list[list[int]],
                     params: Params) -> tuple[dict[str, float], pd.DataFrame]:
-    """Sample both models on the same prompts with the same lengths and seed, score, measure; (metrics, samples)."""
+    """Sample both models on the same prompts with the same lengths and seed, score, measure; (metrics, samples).
+    ``policy`` None: the policy run is the reward scorer's best of evaluate.best_of_n reference responses (whose
+    greedy run is the reference's: N greedy decodes are one)."""
     cfg, e = params.ppo, params.evaluate
     lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
                                torch.Generator().manual_seed(params.seed))
     sampling = SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature)
-    modes = {"": sampling} | ({"_greedy": GREEDY} if e.greedy else {})
-    runs = {f"{name}{suffix}": sample_run(lm, tokenizer, query_ids, lengths, mode, e.batch_size, params.seed,
-                                          f"sample {name}{suffix}")
-            for suffix, mode in modes.items() for name, lm in (("reference", reference), ("policy", policy))}
+    runs: dict[str, Run] = {}
+    for suffix, mode in {"": sampling, **({"_greedy": GREEDY} if e.greedy else {})}.items():
+        runs[f"reference{suffix}"] = sample_run(reference, tokenizer, query_ids, lengths, mode, e.batch_size,
+                                                params.seed, f"sample reference{suffix}")
+        if policy is not None:
+            runs[f"policy{suffix}"] = sample_run(policy, tokenizer, query_ids, lengths, mode, e.batch_size,
+                                                 params.seed, f"sample policy{suffix}")
+        else:
+            runs[f"policy{suffix}"] = runs[f"reference{suffix}"] if suffix else best_of_n_run(
+                reference, tokenizer, scorers[REWARD], queries, query_ids, lengths, mode, e.best_of_n,
+                e.batch_size, params.seed, runs["reference"])
     scores = {run: score_run(scorers, queries, r.texts, e.batch_size, f"score {run}") for run, r in runs.items()}
     stats = {"policy": response_stats(runs["policy"], reference, cfg.temperature, policy),
              "reference": response_stats(runs["reference"], reference, cfg.temperature)}
-    metrics = eval_metrics(scores, stats, {run: runs[run].response_ids for run in stats})
+    metrics = eval_metrics(scores, stats, {run: runs[run].response_ids for run in stats},
+                           e.best_of_n if policy is None else None)
     return metrics, samples_table(queries, runs, scores, stats["policy"])
 
 
@@ -216,24 +196,31 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]
     return lines + ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
 
 
+def kl_rows(metrics: dict[str, float]) -> list[list[object]]:
+    """The report's KL rows: sampled and exact, or for best-of-N the analytic bound, said to be one."""
+    if "kl.best_of_n_bound" in metrics:
+        return [["KL(best-of-N ‖ reference): the analytic bound log N - (N-1)/N, not a sample estimate", "",
+                 metrics["kl.best_of_n_bound"]]]
+    return [[f"KL(policy ‖ reference), {name}: mean / median / p90", "",
+             " / ".join(f"{metrics[f'kl.{prefix}{s}']:.3f}" for s in ("mean", "median", "p90"))]
+            for name, prefix in (("sampled", ""), ("exact", "full_"))]
+
+
 def markdown_report(samples: pd.DataFrame, metrics: dict[str, float], scorers: Sequence[str], examples: int,
-                    context: str) -> str:
-    """Before (reference) vs after (policy): a summary per scorer, KL/fluency/diversity, and the classic notebook's
-    table of example queries with both responses and their rewards."""
+                    context: str, after: str) -> str:
+    """Before (reference) vs after (``after``: 'PPO policy', ...): a summary per scorer, KL/fluency/diversity, and
+    the classic notebook's table of example queries with both responses and their rewards."""
     runs = [run for run in SIDES if score_key(REWARD, run, "mean") in metrics]
     header = ["score"] + [f"{stat} ({SIDES[run].replace('_', ' ')})" for stat in ("mean", "median", "positive")
                           for run in runs]
     rows = [[scorer] + [metrics[score_key(scorer, run, stat)] for stat in ("mean", "median", "positive_rate")
                         for run in runs] for scorer in scorers]
-    lines = ["# Evaluation: before (reference) vs after (PPO policy)", "", context, "", "## Scores", ""]
+    lines = [f"# Evaluation: before (reference) vs after ({after})", "", context, "", "## Scores", ""]
     lines += _table(header, rows)
     lines += ["", "Positive: the share of responses scoring above 0 (a logit or a reward), or above 0.05 (VADER's "
               "compound).", "", "## KL, fluency, diversity", ""]
     lines += _table(["metric", "before", "after"], [
-        ["KL(policy ‖ reference), sampled: mean / median / p90", "", " / ".join(
-            f"{metrics[f'kl.{s}']:.3f}" for s in ("mean", "median", "p90"))],
-        ["KL(policy ‖ reference), exact: mean / median / p90", "", " / ".join(
-            f"{metrics[f'kl.full_{s}']:.3f}" for s in ("mean", "median", "p90"))],
+        *kl_rows(metrics),
         ["reference model's perplexity of the responses", metrics["fluency.reference_ref_perplexity"],
          metrics["fluency.ref_perplexity"]],
         ["distinct-1", metrics["diversity.reference_distinct1"], metrics["diversity.distinct1"]],

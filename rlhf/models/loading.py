@@ -208,6 +208,15 @@ def initial_tokenizer(params: Params) -> tuple[str, str, PreTrainedTokenizerBase
     return path, what, tokenizer
 
 
+def load_initial_policy(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """The initial policy (also the frozen reference) and its tokenizer, checked against each other, and what it is
+    called in messages (``initial_policy``'s key or folder)."""
+    path, what, tokenizer = initial_tokenizer(params)
+    lm = load_causal_lm(path, params.model, what=what)
+    check_vocab_match(tokenizer, lm, what)
+    return lm, tokenizer, what
+
+
 def context_size(lm: PreTrainedModel) -> int:
     """How many positions the model can attend over (GPT-2: n_positions; most others: max_position_embeddings)."""
     config = lm.config

@@ -178,6 +178,11 @@ class StagedOutputs:
         self.stage = stage
         self.lock: int | None = None
 
+    @classmethod
+    def of(cls, stage: Stage) -> StagedOutputs:
+        """The outputs of ``stage``'s record, under its lock."""
+        return cls(stage.output_paths, stage)
+
     def __getitem__(self, path: Path) -> Path:
         """Where to write ``path``: one of the outputs, or a file inside an output folder."""
         for output in self.outputs:
@@ -268,12 +273,17 @@ def run_switchable(stage: Stage, enabled: bool, train: Callable[[StagedOutputs],
     """Run a stage that params can switch off, all its outputs replaced together (``StagedOutputs``): ``train`` when
     enabled; else ``folder`` holding one fixed line, so its hash (and everything downstream) stays put, plus ``files``
     (output -> fixed text: the stage's metrics and empty plot files)."""
-    with StagedOutputs(stage.output_paths, stage) as outputs:
+    with StagedOutputs.of(stage) as outputs:
         if enabled:
             train(outputs)
-            return
-        with atomic_path(outputs[folder]) as tmp:
-            tmp.mkdir()
-            (tmp / DISABLED_MARKER).write_text(reason + "\n", encoding="utf-8")
-        for path, text in files.items():
-            write_text(text, outputs[path])
+        else:
+            write_disabled(outputs, folder, reason, files)
+
+
+def write_disabled(outputs: StagedOutputs, folder: Path, reason: str, files: dict[Path, str]) -> None:
+    """A switched-off stage's outputs: ``folder`` holding one fixed line, and ``files`` (output -> fixed text)."""
+    with atomic_path(outputs[folder]) as tmp:
+        tmp.mkdir()
+        (tmp / DISABLED_MARKER).write_text(reason + "\n", encoding="utf-8")
+    for path, text in files.items():
+        write_text(text, outputs[path])

@@ -12,9 +12,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from rlhf.pipeline.dpo_params import DpoParams
 from rlhf.pipeline.paths import SPLITS, is_local
+from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.pipeline.sections import PathOrId, Rule, Section, at_most, judge_name
-from rlhf.rl.estimators import ESTIMATORS
 
 
 class DataParams(Section):
@@ -157,133 +158,6 @@ class RewardParams(Section):
     newest); 0 or null: off."""
 
 
-class PpoParams(Section):
-    steps: int = Field(gt=0)
-    """PPO iterations; each samples batch_size prompts (194 x 128 is one pass over the 24,895 train prompts)."""
-    learning_rate: float = Field(gt=0)
-    """Adam learning rate of the policy (and value head)."""
-    weight_decay: float = Field(ge=0)
-    """Decoupled (AdamW) weight decay of the PPO optimizer, on every parameter of the policy and value head. 0 is
-    TRL's PPOTrainer (plain Adam); torch's AdamW default would be 0.01."""
-    batch_size: int = Field(gt=0)
-    """Samples (responses) per iteration, per process: batch_size / samples_per_prompt prompts, each answered
-    samples_per_prompt times."""
-    mini_batch_size: int = Field(gt=0)
-    """Samples per forward/backward pass of the update."""
-    gradient_accumulation_steps: int = Field(gt=0)
-    """Mini-batches per optimizer step."""
-    ppo_epochs: int = Field(gt=0)
-    """Passes of the update over each batch."""
-    init_kl_coef: float = Field(ge=0)
-    """Initial (or, with adap_kl_ctrl false, fixed) coefficient of the KL penalty in the reward."""
-    adap_kl_ctrl: bool
-    """Adapt the KL coefficient towards target (Ziegler et al. 2019)."""
-    target: float = Field(ge=0)
-    """Adaptive KL controller's target KL (nats per sequence)."""
-    horizon: float = Field(gt=0)
-    """Adaptive KL controller's horizon, in samples."""
-    advantage_estimator: Literal[tuple(ESTIMATORS)]  # type: ignore[valid-type]
-    """gae: PPO's value head and GAE; rloo (leave-one-out baseline over each prompt's samples), grpo (reward
-    normalised within each prompt's samples), reinforce_pp (REINFORCE++: discounted returns whitened over the batch):
-    critic-free, no value head (rlhf/rl/estimators.py)."""
-    samples_per_prompt: int = Field(gt=0)
-    """k: responses sampled per prompt in a batch (>= 2 for rloo and grpo, whose baseline is the prompt's other
-    samples)."""
-    kl_loss_coef: float = Field(ge=0)
-    """grpo only: weight of GRPO's k3 KL(policy || reference) loss term (the paper: 0.04, with init_kl_coef 0 and
-    adap_kl_ctrl false); 0: off."""
-    gamma: float = Field(ge=0, le=1)
-    """Discount of GAE and of REINFORCE++'s returns."""
-    lam: float = Field(ge=0, le=1)
-    """Lambda of GAE."""
-    cliprange: float = Field(gt=0)
-    """Clip range of the policy ratio."""
-    cliprange_value: float = Field(gt=0)
-    """Clip range of the value prediction around its rollout value."""
-    vf_coef: float = Field(ge=0)
-    """Weight of the value loss."""
-    kl_penalty: Literal["kl", "abs", "mse", "full", "k3"]
-    """Per-token KL estimate in the reward: kl (k1, log-ratio), abs, mse (k2), k3, or full (exact over the vocab)."""
-    whiten_rewards: bool
-    """Whiten the per-token rewards before GAE."""
-    ratio_threshold: float = Field(gt=0)
-    """Skip a mini-batch whose mean probability ratio exceeds this: its loss counts 0, and an optimizer step whose
-    every mini-batch is skipped is not taken (weights and optimizer state untouched; ``policy/skipped_steps``)."""
-    max_grad_norm: float | None = Field(gt=0)
-    """Gradient-norm clip of each optimizer step (null: no clipping; the norm is still logged)."""
-    use_score_scaling: bool
-    """Divide scores by their running standard deviation."""
-    use_score_norm: bool
-    """With use_score_scaling, also subtract their running mean."""
-    score_clip: float | None = Field(gt=0)
-    """Clip the (scaled) scores to [-score_clip, score_clip] (null: off)."""
-    missing_eos_penalty: float | None = Field(ge=0)
-    """Subtracted from the score of a response that has no EOS token (null: off)."""
-    response_min_tokens: int = Field(gt=0)
-    """Shortest response; each prompt's length is drawn uniformly from [min, max]."""
-    response_max_tokens: int = Field(gt=0)
-    """Longest response, in tokens."""
-    top_k: int = Field(ge=0)
-    """Sampling: keep the k most likely tokens (0: all)."""
-    top_p: float = Field(gt=0, le=1)
-    """Sampling: nucleus probability mass (1: all)."""
-    temperature: float = Field(gt=0)
-    """Sampling temperature (log-probabilities are taken at the same temperature)."""
-    disable_dropout: bool
-    """Switch dropout off in the policy and the reference."""
-    value_model: Literal["shared", "separate"]
-    """'shared': a value head on the policy's backbone; 'separate': a critic model initialised from the policy (gae
-    only)."""
-    checkpoint_every: int | None = Field(ge=0)
-    """Steps per rollout-log file and per resumable checkpoint in data/checkpoints/ppo/ (kept outside DVC's outputs,
-    keyed by a fingerprint of the run; a rerun after a kill resumes from the newest). 0 or null: no checkpoints,
-    rollout files of 10 steps."""
-    nan_policy: Literal["stop", "skip"]
-    """On a NaN/inf score, loss or gradient: stop with a message, or skip the batch and count it."""
-
-    @model_validator(mode="after")
-    def _rules(self) -> PpoParams:
-        at_most(self, "response_min_tokens", "response_max_tokens", "ppo")
-        step = self.mini_batch_size * self.gradient_accumulation_steps
-        if self.batch_size % step:
-            raise Rule("batch_size", f"must be a multiple of ppo.mini_batch_size x ppo.gradient_accumulation_steps "
-                                     f"({step})", self.batch_size)
-        self._estimator_rules()
-        return self
-
-    def _estimator_rules(self) -> None:
-        name, k = self.advantage_estimator, self.samples_per_prompt
-        estimator = ESTIMATORS[name]
-        if k < estimator.min_samples_per_prompt:
-            raise Rule("samples_per_prompt", f"must be >= {estimator.min_samples_per_prompt} with "
-                                             f"ppo.advantage_estimator {name} (its baseline is the prompt's other "
-                                             "samples)", k)
-        if self.batch_size % k:
-            raise Rule("batch_size", f"must be a multiple of ppo.samples_per_prompt ({k})", self.batch_size)
-        if self.kl_loss_coef > 0 and not estimator.kl_loss:
-            raise Rule("kl_loss_coef", f"must be 0 with ppo.advantage_estimator {name} (a KL loss term is "
-                                       "GRPO's; the others keep the KL penalty in the reward: ppo.init_kl_coef)",
-                       self.kl_loss_coef)
-        if self.value_model == "separate" and not estimator.trains_critic:
-            raise Rule("value_model", f"must be 'shared' with ppo.advantage_estimator {name}, which trains no "
-                                      "critic (a separate critic would never be used)", self.value_model)
-
-    @property
-    def prompts_per_step(self) -> int:
-        """Prompts per iteration (per process): each is answered samples_per_prompt times."""
-        return self.batch_size // self.samples_per_prompt
-
-    @property
-    def critic(self) -> Literal["shared", "separate"] | None:
-        """The value model to train: value_model where the estimator trains a critic, else None."""
-        return self.value_model if ESTIMATORS[self.advantage_estimator].trains_critic else None
-
-    @property
-    def unused_keys(self) -> list[str]:
-        """The ppo.* keys that the estimator leaves unused (the stage logs them once)."""
-        return [f"ppo.{key}" for key in ESTIMATORS[self.advantage_estimator].unused_keys]
-
-
 class EvaluateParams(Section):
     judges: list[PathOrId]
     """Extra scorers: 'vader' (lexicon, no download) or any sentiment classifier (Hub id or local dir); metrics keys
@@ -295,6 +169,8 @@ class EvaluateParams(Section):
     """Prompts per generate/score/forward batch."""
     examples: int = Field(ge=0)
     """Before/after examples in the Markdown report."""
+    best_of_n: int = Field(ge=1)
+    """N of method best_of_n: responses sampled from the reference per eval prompt, the reward scorer's best kept."""
 
     @property
     def judge_names(self) -> list[str]:
@@ -314,12 +190,17 @@ class EvaluateParams(Section):
 class Params(Section):
     seed: int = Field(ge=0)
     """Seed of every random generator (each output derives its own from it)."""
+    method: Literal["ppo", "dpo", "best_of_n"]
+    """How the evaluated policy is made from the initial one: ppo (RL against the reward scorer, the ppo stage), dpo
+    (DPO or IPO on preference pairs, the dpo stage) or best_of_n (no training: the reward scorer's best of
+    evaluate.best_of_n reference samples). The other methods' stages write only a marker."""
     data: DataParams
     model: ModelParams
     prepare: PrepareParams
     sft: SftParams
     reward: RewardParams
     ppo: PpoParams
+    dpo: DpoParams
     evaluate: EvaluateParams
 
     @property
@@ -340,4 +221,6 @@ class Params(Section):
         if s.enabled and s.base == "scratch" and longest > s.n_positions:
             raise Rule("ppo.response_max_tokens", f"prompt_max_tokens + response_max_tokens ({longest}) must fit "
                                                   f"sft.n_positions ({s.n_positions})", self.ppo.response_max_tokens)
+        if s.enabled and s.base == "scratch" and self.dpo.max_length > s.n_positions:
+            raise Rule("dpo.max_length", f"must fit sft.n_positions ({s.n_positions})", self.dpo.max_length)
         return self

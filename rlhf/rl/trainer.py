@@ -18,7 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.models.policy import PolicyWithValueHead
 from rlhf.models.scorers import Scorer
 from rlhf.pipeline.errors import TrainingError
-from rlhf.pipeline.schema import PpoParams
+from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl import ppo
 from rlhf.rl.advantages import estimate_advantages
 from rlhf.rl.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths

@@ -171,6 +171,11 @@ def pair_stats(losses: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch
     }
 
 
+def total_steps(n_pairs: int, config: DpoConfig) -> int:
+    """Optimizer steps of a run over ``n_pairs`` training pairs: full batches only."""
+    return config.epochs * (n_pairs // config.batch_size)
+
+
 def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoConfig,
           device: torch.device, generator: torch.Generator, precision: str = "fp32", fingerprint: str | None = None,
           after_step: Callable[[int, dict[str, float]], None] | None = None) -> FitResult:
@@ -192,7 +197,7 @@ def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSe
         return losses.mean()
 
     checkpoints = bool(config.checkpoint_every) and fingerprint is not None
-    plan = FitPlan(SECTION, config.epochs * (len(pairs) // config.batch_size), config.learning_rate,
+    plan = FitPlan(SECTION, total_steps(len(pairs), config), config.learning_rate,
                    config.warmup_steps, config.max_grad_norm, checkpoint_every=config.checkpoint_every,
                    fingerprint=fingerprint if checkpoints else None)
     return fit(lm, lm.parameters(), loss, ShuffledBatches(len(pairs), config.batch_size, generator), plan,

@@ -1,0 +1,99 @@
+"""sample_pairs: preference pairs sampled as in the DPO paper's IMDb experiment, for dpo.pairs sampled.
+
+Reads   data/prompts/train.parquet (the first dpo.sample_prompts), the initial policy (models/sft when sft.enabled,
+        else model.policy), the reward (models/reward when reward.train, else reward.model)
+Writes  data/sampled_pairs/{train,test}.parquet  prompt, chosen, rejected, chosen_score, rejected_score: every two of
+                                                 a prompt's dpo.samples_per_prompt completions with different reward
+                                                 scores, the higher-scored chosen; test holds the pairs of the last
+                                                 tenth of the prompts. Only a DISABLED marker unless method is dpo
+                                                 and dpo.pairs is sampled.
+Completions are sampled as ppo samples (ppo's response lengths, top_k, top_p, temperature), so the pairs are what the
+initial policy writes. The output is cached by DVC: it is sampled again only when one of these inputs changes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rlhf.data.prompts import Prompts, check_prompts, read_prompts
+from rlhf.data.sampled_pairs import sample_pairs
+from rlhf.models.decoding import SamplingParams
+from rlhf.models.loading import load_initial_policy
+from rlhf.models.scorers import make_reward_scorer
+from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.errors import DataError
+from rlhf.pipeline.io import StagedOutputs, run_switchable, write_parquet
+from rlhf.pipeline.params import load_params
+from rlhf.pipeline.paths import (
+    PROMPTS_DIR,
+    REWARD_DIR,
+    SAMPLED_PAIRS_DIR,
+    SAMPLED_TEST_PAIRS,
+    SAMPLED_TRAIN_PAIRS,
+    SFT_DIR,
+    TRAIN_PROMPTS,
+)
+from rlhf.pipeline.registry import Output, Stage
+from rlhf.pipeline.schema import Params
+from rlhf.train.precision import pick_device
+from rlhf.train.rng import seed_everything
+
+log = logging.getLogger("sample_pairs")
+
+BATCH = 64  # responses sampled and scored at a time; a constant, as the draws depend on how rows are batched
+TEST_SHARE = 10  # one prompt in TEST_SHARE (the last ones) gives the held-out test pairs
+
+STAGE = Stage(
+    __spec__.name,
+    params=("seed", "method", "model", "sft.enabled", "reward.train", "reward.model", "reward.positive_label",
+            "ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature",
+            "dpo.pairs", "dpo.samples_per_prompt", "dpo.sample_prompts"),
+    inputs=(PROMPTS_DIR, SFT_DIR, REWARD_DIR),
+    outputs=(Output(SAMPLED_PAIRS_DIR),),
+)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    params = load_params()
+    enabled = params.method == "dpo" and params.dpo.pairs == "sampled"
+    run_switchable(STAGE, enabled, lambda outputs: write_pairs(params, outputs), SAMPLED_PAIRS_DIR,
+                   "sampled only with method dpo and dpo.pairs sampled", {})
+
+
+def split(prompts: Prompts, limit: int | None) -> tuple[list[int], list[int]]:
+    """(train, test) prompt indices: the first ``limit`` prompts (all when None), the last tenth of them for test."""
+    n = len(prompts) if limit is None else min(limit, len(prompts))
+    if n < 2:
+        raise DataError(f"{TRAIN_PROMPTS}: {len(prompts)} prompts; sampled pairs need 2 or more (one for test pairs)")
+    if limit is not None and limit > len(prompts):
+        log.warning("sample_pairs: dpo.sample_prompts=%d, only %d train prompts: using all", limit, len(prompts))
+    test = max(1, n // TEST_SHARE)
+    return list(range(n - test)), list(range(n - test, n))
+
+
+def write_pairs(params: Params, outputs: StagedOutputs) -> None:
+    prompts = read_prompts(TRAIN_PROMPTS)
+    indices = split(prompts, params.dpo.sample_prompts)
+    seed_everything(params.seed)
+    device = pick_device()
+    scorer = make_reward_scorer(params, device)
+    lm, tokenizer, _ = load_initial_policy(params)
+    cfg = params.ppo
+    check_prompts(TRAIN_PROMPTS, prompts, tokenizer, lm, cfg.response_max_tokens)
+    lm.to(device).eval()
+    sampling = SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature)
+    for offset, (idx, path) in enumerate(zip(indices, (SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS), strict=True)):
+        query_ids, queries = prompts.take(idx)
+        table = sample_pairs(lm, tokenizer, query_ids, queries, params.dpo.samples_per_prompt,
+                             (cfg.response_min_tokens, cfg.response_max_tokens), sampling, scorer, BATCH,
+                             params.seed + offset)
+        if table.num_rows == 0:
+            raise DataError(f"{path}: every completion of its {len(idx)} prompts scored the same: no pairs (raise "
+                            "dpo.samples_per_prompt or dpo.sample_prompts)")
+        write_parquet(table, outputs[path])
+        log.info("sample_pairs: %d pairs from %d prompts in %s", table.num_rows, len(idx), path)
+
+
+if __name__ == "__main__":
+    run_stage(main)

@@ -1,0 +1,152 @@
+"""The dpo and sample_pairs stages: DPO through the stage learns its pairs and resumes after a kill to the same
+curves and weights; the one-line errors; and through DVC, `method: dpo` with sampled pairs trains without PPO,
+evaluate reads models/dpo, the sampled pairs are ranked as the scorer ranks them and cached, and a switch reruns
+exactly the stages that read it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from conftest import ROOT, dvc, set_params
+from helpers import ran_stages, signal_pairs
+from transformers import AutoModelForCausalLM
+
+from rlhf.models.scorers import make_reward_scorer
+from rlhf.pipeline.errors import DataError
+from rlhf.pipeline.io import DISABLED_MARKER
+from rlhf.pipeline.params import load_params
+from rlhf.pipeline.paths import (
+    DPO_CURVES,
+    DPO_DIR,
+    DPO_METRICS,
+    POLICY_DIR,
+    SAMPLED_PAIRS_DIR,
+    SAMPLED_TEST_PAIRS,
+    SAMPLED_TRAIN_PAIRS,
+    TEST_PAIRS,
+    TRAIN_PAIRS,
+)
+from rlhf.train import dpo as dpo_library
+from stages import dpo as dpo_stage
+
+TINY_DPO = {"dpo.batch_size": 8, "dpo.learning_rate": 1e-2, "dpo.max_length": 24, "dpo.warmup_steps": 2,
+            "dpo.checkpoint_every": 2}  # 64 pairs: 8 steps, a held-out evaluation after each
+
+
+@pytest.fixture
+def dpo_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gpt2_dir: Path) -> Path:
+    """A folder with params.yaml (method dpo, the tiny policy) and prepare's pairs: 64 to train on, 32 held out."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(ROOT / "params.yaml", "params.yaml")
+    set_params(tmp_path, **{"method": "dpo", "model.policy": str(tiny_gpt2_dir), **TINY_DPO})
+    TRAIN_PAIRS.parent.mkdir(parents=True)
+    signal_pairs(64, 0).to_parquet(TRAIN_PAIRS)
+    signal_pairs(32, 1).to_parquet(TEST_PAIRS)
+    return tmp_path
+
+
+def curve(name: str) -> list[tuple[int, float]]:
+    """(step, value) rows of one DVCLive curve in metrics/dpo."""
+    frame = pd.read_csv(DPO_CURVES / "plots" / "metrics" / f"{name}.tsv", sep="\t")
+    return list(zip(frame["step"], frame[name.rsplit("/", 1)[-1]], strict=True))
+
+
+@pytest.mark.slow
+def test_the_stage_learns_its_pairs_and_a_killed_run_resumes_to_the_same_outputs(
+        dpo_dir: Path, tiny_gpt2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dpo_stage.main()
+    metrics = json.loads(DPO_METRICS.read_text())
+    assert metrics["trained"] and metrics["steps"] == 8 and metrics["train_pairs"] == 64
+    assert metrics["eval/rewards/accuracies"] >= 0.9 and metrics["eval/rewards/margins"] > 0
+    accuracy, loss = curve("eval/rewards/accuracies"), curve("train/loss")
+    assert [step for step, _ in accuracy] == list(range(8)) and accuracy[-1][1] == metrics["eval/rewards/accuracies"]
+    assert sum(value for _, value in loss[-4:]) / 4 < loss[0][1]
+    assert curve("train/logratios/chosen")[-1][1] > curve("train/logratios/rejected")[-1][1]
+    trained = AutoModelForCausalLM.from_pretrained(DPO_DIR)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
+    assert not torch.equal(trained.lm_head.weight, initial.lm_head.weight)
+    assert not Path("data/checkpoints/dpo").exists()
+    whole = {name: curve(name) for name in ("train/loss", "eval/rewards/accuracies", "eval/rewards/margins")}
+
+    calls, real = 0, dpo_library.pair_losses
+
+    def killed_in_step_4(*args: object, **kwargs: object) -> object:  # two calls a step: its batch, the held-out set
+        nonlocal calls
+        calls += 1
+        if calls == 9:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dpo_library, "pair_losses", killed_in_step_4)
+        with pytest.raises(KeyboardInterrupt):
+            dpo_stage.main()
+    assert [p.name for p in Path("data/checkpoints/dpo").glob("step-*")] == ["step-000003"]
+    assert json.loads(DPO_METRICS.read_text()) == metrics, "the killed run left the previous outputs"
+    dpo_stage.main()
+    assert {name: curve(name) for name in whole} == whole
+    resumed = AutoModelForCausalLM.from_pretrained(DPO_DIR)
+    for a, b in zip(resumed.parameters(), trained.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_pairs_fail_in_one_line_before_a_model_loads(dpo_dir: Path) -> None:
+    set_params(dpo_dir, **{"dpo.batch_size": 100, "model.policy": "./no-model-here-is-loaded-first"})
+    Path("no-model-here-is-loaded-first").mkdir()
+    with pytest.raises(DataError, match=r"^data/pairs/train\.parquet: 64 pairs, fewer than dpo\.batch_size=100$"):
+        dpo_stage.main()
+    set_params(dpo_dir, **{"dpo.pairs": "sampled"})
+    SAMPLED_PAIRS_DIR.mkdir(parents=True)
+    (SAMPLED_PAIRS_DIR / DISABLED_MARKER).write_text("off\n")
+    with pytest.raises(DataError, match=r"^data/sampled_pairs: holds no pairs \(run the sample_pairs stage"):
+        dpo_stage.main()
+    assert not DPO_DIR.exists() and not DPO_METRICS.exists()
+
+
+def test_another_method_writes_only_the_marker(dpo_dir: Path) -> None:
+    set_params(dpo_dir, **{"method": "ppo"})
+    dpo_stage.main()
+    assert [p.name for p in DPO_DIR.iterdir()] == [DISABLED_MARKER]
+    assert json.loads(DPO_METRICS.read_text()) == {"trained": False}
+
+
+@pytest.mark.slow
+def test_method_dpo_on_sampled_pairs_through_dvc(project: Path, imdb_dir: Path, tiny_gpt2_dir: Path,
+                                                 tiny_classifier_dir: Path) -> None:
+    set_params(project, **{
+        "data.source": str(imdb_dir), "model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
+        "prepare.train_prompts": 20, "prepare.eval_prompts": 8, "prepare.train_pairs": 8, "prepare.test_pairs": 4,
+        "ppo.response_min_tokens": 2, "ppo.response_max_tokens": 6, "evaluate.judges": ["vader"],
+        "evaluate.batch_size": 8, "evaluate.examples": 2, "method": "dpo", "dpo.pairs": "sampled", **TINY_DPO,
+        "dpo.checkpoint_every": 0})
+    assert ran_stages(dvc(project, "repro")) == {"prepare", "sft", "reward", "ppo", "sample_pairs", "dpo",
+                                                 "evaluate"}
+    assert [p.name for p in (project / POLICY_DIR).iterdir()] == [DISABLED_MARKER], "ppo did not train"
+    assert json.loads((project / DPO_METRICS).read_text())["trained"]
+    assert json.loads((project / "metrics/eval.json").read_text())["kl.full_mean"] > 0, "evaluate read models/dpo"
+
+    # every pair of one prompt's 4 completions with distinct scores, ranked as the reward scorer ranks them
+    scorer = make_reward_scorer(load_params(project / "params.yaml"), "cpu")
+    train, test = (pd.read_parquet(project / path) for path in (SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS))
+    assert train["prompt"].nunique() == 18 and test["prompt"].nunique() == 2
+    assert train.groupby("prompt").size().max() <= 6
+    for side in ("chosen", "rejected"):
+        rescored = scorer(train["prompt"].tolist(), train[side].tolist())
+        assert rescored.tolist() == pytest.approx(train[f"{side}_score"].tolist(), abs=1e-5)
+    assert (train["chosen_score"] > train["rejected_score"]).all()
+
+    assert ran_stages(dvc(project, "repro")) == set(), "nothing is sampled or trained again"
+    for updates, changed in [({"dpo.beta": 0.5}, {"dpo"}),  # evaluate follows once models/dpo changes
+                             ({"dpo.samples_per_prompt": 3}, {"sample_pairs"}),
+                             ({"method": "ppo"}, {"ppo", "sample_pairs", "dpo", "evaluate"}),
+                             ({"method": "best_of_n"}, {"ppo", "sample_pairs", "dpo", "evaluate"})]:
+        before = (project / "params.yaml").read_text()
+        set_params(project, **updates)
+        status = json.loads(dvc(project, "status", "--json").stdout)
+        assert set(status) == changed, (updates, status)
+        (project / "params.yaml").write_text(before)
