@@ -25,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf.data.pairs import read_pairs
 from rlhf.models.loading import context_size, initial_policy, load_initial_policy
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError, ModelError
@@ -46,7 +47,6 @@ from rlhf.pipeline.registry import Output, Stage
 from rlhf.pipeline.schema import Params
 from rlhf.train import checkpoint, dpo
 from rlhf.train.precision import pick_device
-from rlhf.train.reward_model import read_pairs
 from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("dpo")
@@ -81,7 +81,7 @@ def read_pair_files(params: Params) -> tuple[pd.DataFrame, pd.DataFrame]:
     if (folder / DISABLED_MARKER).exists():
         raise DataError(f"{folder}: holds no pairs (run the sample_pairs stage with method dpo and dpo.pairs "
                         f"{params.dpo.pairs})")
-    train, test = (read_pairs(str(path)) for path in files)
+    train, test = (read_pairs(path) for path in files)
     if len(train) < params.dpo.batch_size:
         raise DataError(f"{files[0]}: {len(train)} pairs, fewer than dpo.batch_size={params.dpo.batch_size}")
     return train, test

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from rlhf.data.pairs import read_pairs
 from rlhf.eval.plots import histogram
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
@@ -22,7 +23,7 @@ from rlhf.pipeline.registry import Output, Stage
 from rlhf.pipeline.schema import Params
 from rlhf.train.checkpoint import weights_bytes
 from rlhf.train.precision import pick_device
-from rlhf.train.reward_model import build, evaluate, read_pairs, train
+from rlhf.train.reward_model import build, evaluate, train
 from rlhf.train.rng import seed_everything
 
 STAGE = Stage(

@@ -120,7 +120,8 @@ def test_rng_states_round_trip_through_json() -> None:
 def test_too_little_disk_space_names_the_param_and_folder(tmp_path: Path) -> None:
     model = torch.nn.Linear(10, 10)  # 110 weights: 440 bytes, plus two fp32 Adam moments
     assert checkpoint.checkpoint_bytes(model) == 3 * 440
-    checkpoint.check_free_space(tmp_path, checkpoint.checkpoint_bytes(model), "ppo.checkpoint_every", "run-a")
+    needed = checkpoint.checkpoint_bytes(model)
+    checkpoint.check_room_for_checkpoints(tmp_path, needed, "ppo.checkpoint_every", "run-a")
     with pytest.raises(PipelineError, match=rf"^ppo.checkpoint_every: {tmp_path} has \d+ MiB free, checkpoints "
                                             r"need about \d+ MiB"):
-        checkpoint.check_free_space(tmp_path, 2**62, "ppo.checkpoint_every", "run-a")
+        checkpoint.check_room_for_checkpoints(tmp_path, 2**62, "ppo.checkpoint_every", "run-a")

@@ -13,6 +13,7 @@ from conftest import set_params
 from helpers import run_cli, signal_pairs
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from rlhf.data.pairs import read_pairs
 from rlhf.models.loading import load_tokenizer
 from rlhf.pipeline.errors import DataError, ModelError, ParamsError
 from rlhf.pipeline.params import defaults, parse_params
@@ -169,7 +170,7 @@ def test_bradley_terry_loss_from_definition() -> None:
 def test_bad_pairs(tmp_path: Path, frame: pd.DataFrame, message: str) -> None:
     frame.to_parquet(tmp_path / "pairs.parquet")
     with pytest.raises(DataError, match=message):
-        reward_model.read_pairs(str(tmp_path / "pairs.parquet"))
+        read_pairs(tmp_path / "pairs.parquet")
 
 
 def test_missing_reward_base_is_named(tmp_path: Path, tokenizer_dir: Path) -> None:

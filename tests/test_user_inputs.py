@@ -224,13 +224,13 @@ def test_free_space_asks_for_one_more_checkpoint_and_advice_that_keeps_the_run(t
         f.truncate(size)
     free = shutil.disk_usage(tmp_path).free
     needed = (free + size // 2) // 2  # two exceed the free space by size/2; one more fits with size/2 to spare
-    checkpoint.check_free_space(folder, needed, "ppo.checkpoint_every", "run-a")
+    checkpoint.check_room_for_checkpoints(folder, needed, "ppo.checkpoint_every", "run-a")
 
     with pytest.raises(PipelineError) as own:
-        checkpoint.check_free_space(folder, 2**62, "ppo.checkpoint_every", "run-a")
+        checkpoint.check_room_for_checkpoints(folder, 2**62, "ppo.checkpoint_every", "run-a")
     assert f"free space to resume from {kept};" in str(own.value) and ": 0" not in str(own.value)
     with pytest.raises(PipelineError, match=r"or set ppo.checkpoint_every: 0 to train without them"):
-        checkpoint.check_free_space(folder, 2**62, "ppo.checkpoint_every", "run-b")
+        checkpoint.check_room_for_checkpoints(folder, 2**62, "ppo.checkpoint_every", "run-b")
 
 
 # --- models and data checked before the expensive work ---------------------------------------------------------------

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from rlhf.data.imdb import ratings, shown
+from rlhf.data.pairs import read_pairs
 from rlhf.pipeline.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -145,34 +146,13 @@ def build_pairs(reviews: pd.DataFrame, ids: list[list[int]], tokenizer: PreTrain
     return pa.table(columns, schema=PAIR_SCHEMA)
 
 
-def _read_pairs_frame(path: Path) -> pd.DataFrame:
-    if path.suffix not in (".parquet", ".jsonl"):
-        raise DataError(f"{path}: prepare.pairs_source must be a .parquet or .jsonl file")
-    if not path.is_file():
-        raise DataError(f"{path}: no such file (prepare.pairs_source)")
-    if path.stat().st_size == 0:
-        raise DataError(f"{path}: empty file")
-    try:
-        if path.suffix == ".parquet":
-            return pd.read_parquet(path)
-        # dtype=False: keep "5" a string, never guess types from the text
-        return pd.read_json(path, lines=True, dtype=False)
-    except Exception as e:  # pyarrow / json raise many unrelated types for a bad file
-        raise DataError(f"{path}: unreadable pairs file: {str(e).splitlines()[0]}") from None
-
-
 def read_pairs_file(path: Path, rng: np.random.Generator) -> dict[str, pa.Table]:
     """A user's chosen/rejected file (Parquet or JSONL), validated and copied into PAIR_SCHEMA, split train/test.
 
     A ``split`` column (train/test) places each row, else a seeded tenth goes to test. Missing ids become
     ``chosen_<row>``/``rejected_<row>``, missing ratings 0; other columns are dropped.
     """
-    frame = _read_pairs_frame(path)
-    for column in ("chosen", "rejected"):
-        if column not in frame:
-            raise DataError(f"{path}: missing column {column!r} (columns: {', '.join(map(str, frame.columns))})")
-    if frame.empty:
-        raise DataError(f"{path}: no pairs")
+    frame = read_pairs(path, "prepare.pairs_source", "no such file (prepare.pairs_source)")
     frame = frame.reset_index(drop=True)
     for side in ("chosen", "rejected"):
         bad = ~frame[side].map(lambda t: isinstance(t, str) and t.strip() != "")

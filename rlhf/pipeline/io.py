@@ -105,7 +105,7 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def check_free_space(folder: Path, needed: int, culprit: str, what: str, hint: str = "") -> None:
+def require_free_space(folder: Path, needed: int, culprit: str, what: str, hint: str = "") -> None:
     """Stop naming ``culprit`` when ``folder``'s disk has less than ``needed`` bytes free for ``what``."""
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
@@ -237,7 +237,7 @@ class StagedOutputs:
 
     def check_free_space(self, output: Path, needed: int) -> None:
         """Stop when ``output``'s disk cannot hold ``needed`` more bytes (the previous output stays until the end)."""
-        check_free_space(output.parent, needed, str(output), "the new output needs",
+        require_free_space(output.parent, needed, str(output), "the new output needs",
                          " (the previous one is replaced only when the stage completes)")
 
     def commit(self) -> None:

@@ -78,8 +78,8 @@ def find_checkpoint(params: Params, policy: PolicyWithValueHead,
         return None, None
     ckpt = Checkpointing(run_fingerprint(params, accelerator.num_processes))
     if accelerator.is_main_process:
-        checkpoint.check_free_space(ckpt.folder, checkpoint.checkpoint_bytes(policy), "ppo.checkpoint_every",
-                                    ckpt.fingerprint)
+        checkpoint.check_room_for_checkpoints(ckpt.folder, checkpoint.checkpoint_bytes(policy),
+                                              "ppo.checkpoint_every", ckpt.fingerprint)
         found = checkpoint.find(ckpt.folder, ckpt.fingerprint, prune=True)
     accelerator.wait_for_everyone()  # the main process has pruned other runs' checkpoints
     if not accelerator.is_main_process:

@@ -30,8 +30,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from rlhf.pipeline.errors import PipelineError
-from rlhf.pipeline.io import atomic_path, check_writable
-from rlhf.pipeline.io import check_free_space as io_check_free_space
+from rlhf.pipeline.io import atomic_path, check_writable, require_free_space
 from rlhf.pipeline.params import stage_params
 from rlhf.pipeline.paths import CHECKPOINT_PREFIX, checkpoints
 from rlhf.pipeline.registry import ROOT, stage
@@ -104,7 +103,7 @@ def checkpoint_bytes(model: torch.nn.Module) -> int:
     return weights_bytes(model) + ADAM_MOMENTS * trainable
 
 
-def check_free_space(folder: Path, needed: int, key: str, fingerprint: str) -> None:
+def check_room_for_checkpoints(folder: Path, needed: int, key: str, fingerprint: str) -> None:
     """Stop before training when ``folder`` is not writable or its disk cannot hold the run's checkpoints: two of
     ``needed`` bytes (the new one is written before the old one is removed), less the checkpoints already there
     (this run's newest goes after the next save, other runs' go now). With one of this run's own there, the advice
@@ -115,7 +114,7 @@ def check_free_space(folder: Path, needed: int, key: str, fingerprint: str) -> N
     own = [path for path in kept if read_state(path).get("fingerprint") == fingerprint]
     hint = (f" (free space to resume from {own[-1]}; a change to the params would restart at step 0)" if own
             else f" (free space, or set {key}: 0 to train without them)")
-    io_check_free_space(folder, max(needed, 2 * needed - on_disk), key, "checkpoints need", hint)
+    require_free_space(folder, max(needed, 2 * needed - on_disk), key, "checkpoints need", hint)
 
 
 def save(folder: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any], state: dict[str, Any],

@@ -105,8 +105,8 @@ def resume(folder: Path, plan: FitPlan, model: torch.nn.Module, optimizer: torch
            schedule: torch.optim.lr_scheduler.LRScheduler) -> checkpoint.Checkpoint | None:
     """Load this run's newest checkpoint into the model, optimizer, schedule and global RNGs (None: start at step 0).
     The disk is checked first, naming the checkpoint key: a checkpoint is written before the previous one goes."""
-    checkpoint.check_free_space(folder, checkpoint.checkpoint_bytes(model), f"{plan.section}.checkpoint_every",
-                                plan.fingerprint)
+    checkpoint.check_room_for_checkpoints(folder, checkpoint.checkpoint_bytes(model),
+                                          f"{plan.section}.checkpoint_every", plan.fingerprint)
     found = checkpoint.find(folder, plan.fingerprint)
     if found is None:
         return None

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import GPT2ForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.loading import load_config, load_sequence_classifier, load_tokenizer
-from rlhf.pipeline.errors import DataError, ModelError
+from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.paths import PAIRS_DIR, SFT_DIR
 from rlhf.pipeline.schema import Params
 from rlhf.train import checkpoint
@@ -57,19 +57,6 @@ def check_reward_base(path: str, params: Params, what: str) -> None:
         raise ModelError(f"{what}: {path}: a sequence classifier with {config.num_labels} outputs; reward.base must "
                          "be 'sft', 'scratch', a causal LM (it gets a one-output score head) or a one-output reward "
                          "model")
-
-
-def read_pairs(path: str) -> pd.DataFrame:
-    try:
-        frame = pd.read_parquet(path)
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing (run the prepare stage first)") from None
-    for column in ("chosen", "rejected"):
-        if column not in frame:
-            raise DataError(f"{path}: missing column {column!r} (columns: {', '.join(frame.columns)})")
-    if frame.empty:
-        raise DataError(f"{path}: no pairs")
-    return frame
 
 
 def scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int,
