@@ -36,7 +36,8 @@ def ppo_dir(tmp_path_factory: pytest.TempPathFactory, tiny_gpt2_dir: Path, tiny_
             tokenizer_dir: Path) -> Path:
     """A project that can run the tiny ppo stage directly (no git, no DVC), with a finished run's outputs."""
     root = tmp_path_factory.mktemp("inputs")
-    shutil.copytree(ROOT / "stages", root / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("stages", "rlhf"):
+        shutil.copytree(ROOT / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(ROOT / "params.yaml", root / "params.yaml")
     write_prompts(root, tokenizer_dir)
     set_params(root, **{"model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir), **TINY})
