@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("stage")
     parser.add_argument("--at", type=int, help="the matching call that raises (1: the first)")
     parser.add_argument("--kind", choices=["error", "interrupt", "disk-full", "oom"], default="error")
-    parser.add_argument("--where", default=r"^stages/", help="regex over <file>:<qualified name>")
+    parser.add_argument("--where", default=r"^(stages|rlhf)/", help="regex over <file>:<qualified name>")
     parser.add_argument("--count", type=Path, help="write the number of matching calls here at exit")
     args = parser.parse_args()
 
