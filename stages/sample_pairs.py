@@ -80,7 +80,7 @@ def write_pairs(params: Params, outputs: StagedOutputs) -> None:
     scorer = make_reward_scorer(params, device)
     lm, tokenizer, _ = load_initial_policy(params)
     cfg = params.ppo
-    check_prompts(TRAIN_PROMPTS, prompts, tokenizer, lm, cfg.response_max_tokens)
+    check_prompts(TRAIN_PROMPTS, prompts, tokenizer, lm, cfg.response_max_tokens, "the initial policy")
     lm.to(device).eval()
     sampling = SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature)
     for offset, (idx, path) in enumerate(zip(indices, (SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS), strict=True)):

@@ -5,6 +5,7 @@ an interrupted run resumes to the uninterrupted result; sampled pairs are ranked
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -170,6 +171,8 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_gpt2_dir: Path,
 
     whole, every_step = load(tiny_gpt2_dir), []
     uninterrupted = run(whole, every_step)
+    # a completed run's checkpoints go once the stage's outputs are in place (StagedOutputs), not in the loop
+    shutil.rmtree(tmp_path / "data/checkpoints/dpo")
     first = load(tiny_gpt2_dir)
     interrupt_at(first, 4)  # in step 4 (one forward a step): the newest checkpoint is after step 2
     with pytest.raises(Interrupted):
