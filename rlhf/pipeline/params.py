@@ -24,8 +24,8 @@ PARAMS_FILE = "params.yaml"
 
 
 def _check_keys(raw: Any, model: type[Section], prefix: str = "") -> None:
-    """Unknown keys, then missing ones: params.yaml is DVC's cache key, so every key must be written out (a key left
-    to the code's default would change results without DVC noticing)."""
+    """Unknown keys, then missing ones: params.yaml is DVC's cache key, so every key must be written out (the code has
+    no defaults: a key left out would change results without DVC noticing). A missing key's message gives its doc."""
     if not isinstance(raw, dict):
         return  # validation names the wrong type
     known = model.model_fields
@@ -34,18 +34,11 @@ def _check_keys(raw: Any, model: type[Section], prefix: str = "") -> None:
             raise ParamsError(f"params.yaml: {prefix}{key}: unknown key (known: {', '.join(sorted(known))})")
     for name, field in known.items():
         if name not in raw:
-            default = "a section" if section_of(field) else f"the project's default: {_default(prefix + name)!r}"
+            what = "a section" if section_of(field) else " ".join((field.description or "").split())
             raise ParamsError(f"params.yaml: {prefix}{name}: missing (params.yaml is the DVC cache key: every key "
-                              f"must be written out; {default})")
+                              f"must be written out; {what})")
         if section := section_of(field):
             _check_keys(raw[name], section, f"{prefix}{name}.")
-
-
-def _default(dotted: str) -> Any:
-    value: Any = read_yaml(ROOT / PARAMS_FILE)
-    for name in dotted.split("."):
-        value = value.get(name) if isinstance(value, dict) else None
-    return value
 
 
 def parse_params(raw: Any, root: Path | str = ".") -> Params:
