@@ -186,6 +186,13 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path: Path) -> None:
     assert result.returncode == 1 and result.stderr.strip().startswith("error: --series: 'tiny-a b' cannot start")
     result = run_frontier(tmp_path, "tiny", "--kl-coef", "0.1,-1")
     assert result.returncode == 2 and "values must be >= 0" in result.stderr
+    result = run_frontier(tmp_path, "tiny", "--best-of-n", "4,0")
+    assert result.returncode == 2 and "--best-of-n: '4,0': values must be >= 1" in result.stderr
+    assert "--seeds: invalid int list value: '1.5'" in run_frontier(tmp_path, "tiny", "--seeds", "1.5").stderr
+    result = run_frontier(tmp_path, "tiny", "--jobs", "0")
+    assert (result.returncode, result.stderr) == (1, "error: --jobs: must be >= 1 (got 0)\n")
+    result = run_frontier(tmp_path, "tiny", "--series", "mixed", "--kl-coef", "0.1", "--beta", "0.1")
+    assert result.returncode == 1 and result.stderr.startswith("error: --series: one series is one method")
 
 
 def test_a_dry_run_of_a_shipped_preset_prints_the_default_grid_and_copies_nothing(
@@ -211,6 +218,17 @@ def test_a_dry_run_of_a_shipped_preset_prints_the_default_grid_and_copies_nothin
     commands = [line for line in result.stdout.splitlines() if line.startswith("dvc exp run")]
     assert [line.split()[4] for line in commands] == [f"offline-cpu-rloo-kl{c:g}" for c in DEFAULT_KL_COEFS]
     assert all("-S ppo.advantage_estimator=rloo -S ppo.samples_per_prompt=4 " in line for line in commands)
+    # best-of-N, two seeds a point, queued to run two at a time, each queued run with the local inputs it reads
+    result = run_frontier(project, "offline-cpu", *data, "--best-of-n", "1,16", "--seeds", "0,1", "--jobs", "2",
+                          "--dry-run")
+    lines = result.stdout.splitlines()
+    commands = [line for line in lines if line.startswith("dvc exp run")]
+    assert [line.split()[4] for line in commands] == [f"offline-cpu-best-of-n-n{n}-s{s}" for n in (1, 16)
+                                                      for s in (0, 1)]
+    assert all(" --queue -C data/raw/gpt2-tokenizer -C data/raw/imdb -S " in line and "-S method=best_of_n " in line
+               for line in commands)
+    assert "-S evaluate.best_of_n=16 -S seed=1" in commands[3] and lines[-1] == "dvc queue start -j 2"
+    assert not (project / "data" / "raw" / "imdb").exists()
     result = run_frontier(project, "offline-cpu", *data, "--series", "grpo", "--set", "ppo.advantage_estimator=grpo",
                           "--dry-run")
     assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
