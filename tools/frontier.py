@@ -166,9 +166,11 @@ def queue_status() -> tuple[dict[str, set[str]], bool]:
 
 def run_queue(names: list[str], jobs: int, dry_run: bool) -> None:
     """Start ``jobs`` queue workers and wait until every queued point has run, one progress line each."""
+    if not names:
+        return
     command = ["dvc", "queue", "start", "-j", str(jobs)]
     print(" ".join(command), flush=True)
-    if dry_run or not names:
+    if dry_run:
         return
     if run_dvc(command).returncode != 0:
         raise PipelineError("dvc queue start failed; the points stay queued (dvc queue status)")
