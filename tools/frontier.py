@@ -140,12 +140,12 @@ def sweep(points: list[Point], changes: dict[str, Any], not_copied: dict[str, Pa
             continue
         keys = overrides(changes | point.knob, workspace, desired[point.name])
         # a queued point runs in a copy of the commit: the local inputs it reads, ignored by git, go with it
-        copies = sorted({v for v in flatten(desired[point.name]).values() if v in LOCAL_INPUTS.values()})
+        queue = sorted({v for v in flatten(desired[point.name]).values() if v in LOCAL_INPUTS.values()})
         run_point(i, len(points), point, keys, replace=found is not None, dry_run=dry_run,
-                  queue=copies if jobs > 1 else None)
+                  queue=queue if jobs > 1 else None)
         if jobs > 1:
             queued.append(point.name)
-        else:
+        else:  # a queued run leaves the workspace as it was
             workspace = desired[point.name]
     if jobs > 1:
         run_queue(queued, jobs, dry_run)
