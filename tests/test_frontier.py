@@ -262,6 +262,8 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
               "prepare": {"train_prompts": 8, "eval_prompts": 8, "train_pairs": 4, "test_pairs": 4},
               "ppo": {"steps": 2, "batch_size": 4, "mini_batch_size": 4, "learning_rate": 1e-3,
                       "response_min_tokens": 2, "response_max_tokens": 6, "checkpoint_every": 0},
+              "dpo": {"batch_size": 2, "learning_rate": 1e-3, "max_length": 16, "warmup_steps": 0,
+                      "checkpoint_every": 0},
               "evaluate": {"judges": ["vader", str(tiny_classifier_dir)], "batch_size": 8, "examples": 2}}
     (project / "presets" / "tiny.yaml").write_text(yaml.safe_dump(preset))
     git_commit(project, "a tiny preset")
@@ -317,6 +319,29 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
     assert (ppo["advantage_estimator"], ppo["samples_per_prompt"]) == ("rloo", 2)
     table = pd.read_csv(path)
     assert table.loc[table["series"] == "rloo", "experiment"].dropna().tolist() == ["tiny-rloo-kl0.5"]
+
+    # a DPO series with two seeds: one experiment per (point, seed) (the new seed reruns the whole DAG), a row each
+    # in the table, and their mean and standard error in the means table
+    assert points_log(run_frontier(project, "tiny", "--beta", "0.5", "--seeds", "0,1")) == {
+        "tiny-dpo-beta0.5-s0": ("ran", {"ppo", "sample_pairs", "dpo", "evaluate"}),
+        "tiny-dpo-beta0.5-s1": ("ran", {"prepare", "sft", "reward", "ppo", "sample_pairs", "dpo", "evaluate"})}
+    shown = exp_show(project)
+    for seed in (0, 1):
+        params = shown[f"tiny-dpo-beta0.5-s{seed}"]["params"]["params.yaml"]["data"]
+        assert (params["method"], params["dpo"]["loss"], params["dpo"]["beta"], params["seed"]) == (
+            "dpo", "dpo", 0.5, seed)
+    table = pd.read_csv(path)
+    dpo = table[table["series"] == "dpo"]
+    assert dpo[["point", "seed"]].values.tolist() == [["reference", 0], ["reference", 1], ["beta0.5", 0],
+                                                      ["beta0.5", 1]]
+    assert dpo["method"].tolist()[2:] == ["dpo", "dpo"] and dpo["dpo.seconds"].iloc[2:].notna().all()
+    means = pd.read_csv(project / frontier_files("tiny")[1]).set_index(["series", "point"])
+    point, seeds = means.loc[("dpo", "beta0.5")], dpo[dpo["point"] == "beta0.5"]
+    assert point["seeds"] == 2 and point["experiments"] == "tiny-dpo-beta0.5-s0 tiny-dpo-beta0.5-s1"
+    for key in ("kl.mean", "policy.positive_rate", f"judge.{tiny_classifier_dir.name}.policy_positive_rate"):
+        assert point[key] == pytest.approx(seeds[key].mean()), key
+        assert point[f"{key}.stderr"] == pytest.approx(seeds[key].std() / 2 ** 0.5), key
+    assert means.loc[("rloo", "kl0.5"), "seeds"] == 1 and pd.isna(means.loc[("rloo", "kl0.5"), "kl.mean.stderr"])
 
 
 def test_plots_show_reads_a_clone_without_a_frontier(project: Path) -> None:
