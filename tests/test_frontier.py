@@ -16,7 +16,16 @@ import yaml
 from conftest import dvc
 from test_experiments import git_commit
 
-from rlhf.eval.frontier import chart_points, frontier_rows, grid, member, same, write_frontier
+from rlhf.eval.frontier import (
+    chart_points,
+    frontier_files,
+    frontier_rows,
+    grid,
+    mean_rows,
+    member,
+    same,
+    write_frontier,
+)
 from tools.frontier import DEFAULT_KL_COEFS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,14 +33,32 @@ PROGRESS = re.compile(r"^\[\d+/\d+\] (\S+): (ran in \d+ s|skipped .*)$", re.M)
 
 
 def test_grid_names_each_point_after_its_knob() -> None:
-    points = grid("offline-cpu", None, [0.05, 0.2], [3.0])
+    points = grid("offline-cpu", None, {"kl": [0.05, 0.2], "target": [3.0]})
     assert [p.name for p in points] == ["offline-cpu-kl0.05", "offline-cpu-kl0.2", "offline-cpu-target3"]
-    assert points[0].knob == {"ppo.adap_kl_ctrl": False, "ppo.init_kl_coef": 0.05}
-    assert points[2].knob == {"ppo.adap_kl_ctrl": True, "ppo.target": 3.0}
-    assert grid("params", "rloo", [1e-5], [])[0].name == "params-rloo-kl1e-05"
+    assert points[0].knob == {"method": "ppo", "ppo.adap_kl_ctrl": False, "ppo.init_kl_coef": 0.05}
+    assert points[2].knob == {"method": "ppo", "ppo.adap_kl_ctrl": True, "ppo.target": 3.0}
+    assert grid("params", "rloo", {"kl": [1e-5]})[0].name == "params-rloo-kl1e-05"
     assert member("offline-cpu-rloo-kl0.05", "offline-cpu") == ("rloo", "kl0.05")
     assert member("offline-cpu-target6", "offline-cpu") == ("default", "target6")
     assert member("kl-0.05", "offline-cpu") is None and member("offline-gpu-kl0.05", "offline-cpu") is None
+
+
+def test_other_methods_are_series_of_their_own_knob_and_seeds_name_their_points() -> None:
+    points = grid("cpu", None, {"beta": [0.1], "tau": [0.5], "n": [16]}, seeds=[0, 2])
+    assert [(p.name, p.label) for p in points] == [
+        ("cpu-dpo-beta0.1-s0", "beta0.1"), ("cpu-dpo-beta0.1-s2", "beta0.1"), ("cpu-ipo-tau0.5-s0", "tau0.5"),
+        ("cpu-ipo-tau0.5-s2", "tau0.5"), ("cpu-best-of-n-n16-s0", "n16"), ("cpu-best-of-n-n16-s2", "n16")]
+    assert points[1].knob == {"method": "dpo", "dpo.loss": "dpo", "dpo.beta": 0.1, "seed": 2}
+    assert points[2].knob == {"method": "dpo", "dpo.loss": "ipo", "dpo.tau": 0.5, "seed": 0}
+    assert points[4].knob == {"method": "best_of_n", "evaluate.best_of_n": 16, "seed": 0}
+    assert grid("cpu", "dpo-sampled", {"beta": [0.3]})[0].name == "cpu-dpo-sampled-beta0.3"
+    series = {"beta": "dpo", "tau": "ipo", "n": "best-of-n"}
+    for point in points:
+        assert member(point.name, "cpu") == (series[point.label.rstrip("0123456789.")], point.label), point.name
+    assert member("cpu-dpo-sampled-beta0.3-s11", "cpu") == ("dpo-sampled", "beta0.3")
+    assert member("cpu-dpo-sampled-kl1e-05-s11", "cpu") == ("dpo-sampled", "kl1e-05")
+    assert member("cpu-best-of-n-n64", "cpu") == ("best-of-n", "n64")
+    assert member("cpu-dpo-beta0.1-seed2", "cpu") is None and member("cpu-dpo-x0.1", "cpu") is None
 
 
 def test_params_compare_as_values() -> None:
@@ -70,17 +97,76 @@ def test_rows_start_at_the_reference_and_keep_only_the_presets_sweeps(tmp_path: 
     assert rows[2]["experiment"] == "cpu-kl0.05" and rows[2]["ppo.init_kl_coef"] == 0.05
     assert rows[2]["kl.full_mean"] == pytest.approx(7.11) and rows[2]["ppo.seconds"] == 300.0
 
-    chart = chart_points(rows)
+    chart = chart_points(mean_rows(rows))  # one seed each: the means are the rows, without error bars
     assert len(chart) == 2 * len(rows)
-    assert {"series": "rloo", "point": "target4", "experiment": "cpu-rloo-target4", "scorer": "vader",
-            "kl.mean": 4.1, "positive_rate": 0.55} in chart
+    record = next(r for r in chart if r["experiments"] == "cpu-rloo-target4" and r["scorer"] == "vader")
+    assert record | {"series": "rloo", "point": "target4", "label": "target4", "seeds": 1, "kl.mean": 4.1,
+                     "positive_rate": 0.55, "kl.source": "sampled", "positive_rate_low": None,
+                     "kl_high": None} == record
 
     monkeypatch.chdir(tmp_path)
     table, chart_file = write_frontier(rows, "cpu")
     written = pd.read_csv(table)
-    assert list(written.columns[:3]) == ["experiment", "series", "point"]
+    assert list(written.columns[:4]) == ["experiment", "series", "point", "seed"]
     assert {"judge.vader.policy_positive_rate", "kl.full_mean", "diversity.distinct2"} <= set(written.columns)
     assert len(written) == len(rows) and json.loads(chart_file.read_text()) == chart
+    assert len(pd.read_csv(frontier_files("cpu")[1])) == len(rows)
+
+
+def test_seeds_give_a_row_each_and_the_means_table_their_mean_and_standard_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dpo = {"method": "dpo", "dpo.loss": "dpo", "dpo.beta": 0.1, "dpo.pairs": "prepare"}
+    experiments = {}
+    for name, seed, kl, rm, vader in (("cpu-dpo-beta0.1", 0, 2.0, 0.6, 0.5),  # seed 0 again, under an older name
+                                      ("cpu-dpo-beta0.1-s0", 0, 2.0, 0.6, 0.5),
+                                      ("cpu-dpo-beta0.1-s1", 1, 3.0, 0.7, 0.4),
+                                      ("cpu-dpo-beta0.1-s2", 2, 4.0, 0.8, 0.45)):
+        experiments[name] = experiment(kl, rm, vader, seed=seed, **dpo)
+        experiments[name]["metrics"]["metrics/dpo.json"] = {"seconds": 100.0 + seed}
+    rows = frontier_rows(experiments, "cpu", {"ppo.steps": 80})
+    assert [(r["point"], r["seed"]) for r in rows] == [("reference", 0), ("reference", 1), ("reference", 2),
+                                                       ("beta0.1", 0), ("beta0.1", 0), ("beta0.1", 1), ("beta0.1", 2)]
+    assert rows[5] | {"series": "dpo", "method": "dpo", "dpo.beta": 0.1, "dpo.seconds": 101.0} == rows[5]
+    assert rows[5].get("ppo.init_kl_coef") is None
+
+    reference, point = mean_rows(rows)
+    assert reference["seeds"] == 3 and reference["policy.positive_rate"] == pytest.approx(0.41)
+    assert reference["policy.positive_rate.stderr"] == pytest.approx(0.0)
+    # seed 0 counts once; by hand: mean, and sd / sqrt(n) with the sample sd (n - 1 in its denominator)
+    assert point["seeds"] == 3 and point["experiments"] == "cpu-dpo-beta0.1 cpu-dpo-beta0.1-s1 cpu-dpo-beta0.1-s2"
+    for key, values in (("policy.positive_rate", [0.6, 0.7, 0.8]), ("judge.vader.policy_positive_rate",
+                                                                    [0.5, 0.4, 0.45]),
+                        ("kl.mean", [2.0, 3.0, 4.0]), ("dpo.seconds", [100.0, 101.0, 102.0])):
+        mean = sum(values) / 3
+        stderr = (sum((v - mean) ** 2 for v in values) / 2) ** 0.5 / 3 ** 0.5
+        assert (point[key], point[f"{key}.stderr"]) == (pytest.approx(mean), pytest.approx(stderr)), key
+    assert point["ppo.seconds"] == pytest.approx(300.0) and point["dpo.beta"] == 0.1
+
+    chart = chart_points([reference, point])
+    record = next(r for r in chart if r["point"] == "beta0.1" and r["scorer"] == "reward model")
+    se = point["policy.positive_rate.stderr"]
+    assert (record["positive_rate_low"], record["positive_rate_high"]) == (pytest.approx(0.7 - se),
+                                                                          pytest.approx(0.7 + se))
+    assert record["kl_high"] == pytest.approx(3 + point["kl.mean.stderr"]) and record["seeds"] == 3
+    monkeypatch.chdir(tmp_path)
+    write_frontier(rows, "cpu")
+    means = pd.read_csv(frontier_files("cpu")[1])
+    assert means["policy.positive_rate.stderr"].tolist() == pytest.approx([0.0, se])
+
+
+def test_best_of_n_rows_take_the_kl_bound_and_say_so() -> None:
+    best = experiment(0.0, 0.7, 0.6, method="best_of_n", **{"evaluate.best_of_n": 16})
+    evaluation = best["metrics"]["metrics/eval.json"]
+    del evaluation["kl.mean"], evaluation["kl.full_mean"]
+    evaluation["kl.best_of_n_bound"] = 1.83
+    rows = frontier_rows({"cpu-best-of-n-n16": best, "cpu-kl0.4": experiment(1.5, 0.52, 0.41)}, "cpu", {})
+    found = {(row["series"], row["point"]): row for row in rows}
+    assert found["best-of-n", "n16"] | {"kl.source": "bound", "kl.mean": 1.83, "kl.full_mean": None,
+                                        "evaluate.best_of_n": 16} == found["best-of-n", "n16"]
+    assert found["best-of-n", "reference"] | {"kl.source": "bound", "kl.mean": 0.0} == found["best-of-n", "reference"]
+    assert found["default", "kl0.4"]["kl.source"] == "sampled" and found["default", "kl0.4"]["kl.mean"] == 1.5
+    labels = {(r["point"], r["kl.mean"], r["label"]) for r in chart_points(mean_rows(rows))}
+    assert ("n16", 1.83, "n16 (KL bound)") in labels and ("kl0.4", 1.5, "kl0.4") in labels
 
 
 def run_frontier(project: Path, *args: str) -> subprocess.CompletedProcess:
@@ -100,6 +186,13 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path: Path) -> None:
     assert result.returncode == 1 and result.stderr.strip().startswith("error: --series: 'tiny-a b' cannot start")
     result = run_frontier(tmp_path, "tiny", "--kl-coef", "0.1,-1")
     assert result.returncode == 2 and "values must be >= 0" in result.stderr
+    result = run_frontier(tmp_path, "tiny", "--best-of-n", "4,0")
+    assert result.returncode == 2 and "--best-of-n: '4,0': values must be >= 1" in result.stderr
+    assert "--seeds: invalid int list value: '1.5'" in run_frontier(tmp_path, "tiny", "--seeds", "1.5").stderr
+    result = run_frontier(tmp_path, "tiny", "--jobs", "0")
+    assert (result.returncode, result.stderr) == (1, "error: --jobs: must be >= 1 (got 0)\n")
+    result = run_frontier(tmp_path, "tiny", "--series", "mixed", "--kl-coef", "0.1", "--beta", "0.1")
+    assert result.returncode == 1 and result.stderr.startswith("error: --series: one series is one method")
 
 
 def test_a_dry_run_of_a_shipped_preset_prints_the_default_grid_and_copies_nothing(
@@ -125,6 +218,17 @@ def test_a_dry_run_of_a_shipped_preset_prints_the_default_grid_and_copies_nothin
     commands = [line for line in result.stdout.splitlines() if line.startswith("dvc exp run")]
     assert [line.split()[4] for line in commands] == [f"offline-cpu-rloo-kl{c:g}" for c in DEFAULT_KL_COEFS]
     assert all("-S ppo.advantage_estimator=rloo -S ppo.samples_per_prompt=4 " in line for line in commands)
+    # best-of-N, two seeds a point, queued to run two at a time, each queued run with the local inputs it reads
+    result = run_frontier(project, "offline-cpu", *data, "--best-of-n", "1,16", "--seeds", "0,1", "--jobs", "2",
+                          "--dry-run")
+    lines = result.stdout.splitlines()
+    commands = [line for line in lines if line.startswith("dvc exp run")]
+    assert [line.split()[4] for line in commands] == [f"offline-cpu-best-of-n-n{n}-s{s}" for n in (1, 16)
+                                                      for s in (0, 1)]
+    assert all(" --queue -C data/raw/gpt2-tokenizer -C data/raw/imdb -S " in line and "-S method=best_of_n " in line
+               for line in commands)
+    assert "-S evaluate.best_of_n=16 -S seed=1" in commands[3] and lines[-1] == "dvc queue start -j 2"
+    assert not (project / "data" / "raw" / "imdb").exists()
     result = run_frontier(project, "offline-cpu", *data, "--series", "grpo", "--set", "ppo.advantage_estimator=grpo",
                           "--dry-run")
     assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
@@ -158,6 +262,8 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
               "prepare": {"train_prompts": 8, "eval_prompts": 8, "train_pairs": 4, "test_pairs": 4},
               "ppo": {"steps": 2, "batch_size": 4, "mini_batch_size": 4, "learning_rate": 1e-3,
                       "response_min_tokens": 2, "response_max_tokens": 6, "checkpoint_every": 0},
+              "dpo": {"batch_size": 2, "learning_rate": 1e-3, "max_length": 16, "warmup_steps": 0,
+                      "checkpoint_every": 0},
               "evaluate": {"judges": ["vader", str(tiny_classifier_dir)], "batch_size": 8, "examples": 2}}
     (project / "presets" / "tiny.yaml").write_text(yaml.safe_dump(preset))
     git_commit(project, "a tiny preset")
@@ -213,6 +319,29 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
     assert (ppo["advantage_estimator"], ppo["samples_per_prompt"]) == ("rloo", 2)
     table = pd.read_csv(path)
     assert table.loc[table["series"] == "rloo", "experiment"].dropna().tolist() == ["tiny-rloo-kl0.5"]
+
+    # a DPO series with two seeds: one experiment per (point, seed) (the new seed reruns the whole DAG), a row each
+    # in the table, and their mean and standard error in the means table
+    assert points_log(run_frontier(project, "tiny", "--beta", "0.5", "--seeds", "0,1")) == {
+        "tiny-dpo-beta0.5-s0": ("ran", {"ppo", "sample_pairs", "dpo", "evaluate"}),
+        "tiny-dpo-beta0.5-s1": ("ran", {"prepare", "sft", "reward", "ppo", "sample_pairs", "dpo", "evaluate"})}
+    shown = exp_show(project)
+    for seed in (0, 1):
+        params = shown[f"tiny-dpo-beta0.5-s{seed}"]["params"]["params.yaml"]["data"]
+        assert (params["method"], params["dpo"]["loss"], params["dpo"]["beta"], params["seed"]) == (
+            "dpo", "dpo", 0.5, seed)
+    table = pd.read_csv(path)
+    dpo = table[table["series"] == "dpo"]
+    assert dpo[["point", "seed"]].values.tolist() == [["reference", 0], ["reference", 1], ["beta0.5", 0],
+                                                      ["beta0.5", 1]]
+    assert dpo["method"].tolist()[2:] == ["dpo", "dpo"] and dpo["dpo.seconds"].iloc[2:].notna().all()
+    means = pd.read_csv(project / frontier_files("tiny")[1]).set_index(["series", "point"])
+    point, seeds = means.loc[("dpo", "beta0.5")], dpo[dpo["point"] == "beta0.5"]
+    assert point["seeds"] == 2 and point["experiments"] == "tiny-dpo-beta0.5-s0 tiny-dpo-beta0.5-s1"
+    for key in ("kl.mean", "policy.positive_rate", f"judge.{tiny_classifier_dir.name}.policy_positive_rate"):
+        assert point[key] == pytest.approx(seeds[key].mean()), key
+        assert point[f"{key}.stderr"] == pytest.approx(seeds[key].std() / 2 ** 0.5), key
+    assert means.loc[("rloo", "kl0.5"), "seeds"] == 1 and pd.isna(means.loc[("rloo", "kl0.5"), "kl.mean.stderr"])
 
 
 def test_plots_show_reads_a_clone_without_a_frontier(project: Path) -> None:

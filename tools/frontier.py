@@ -6,7 +6,10 @@ The points share the cached prepare / sft / reward outputs, so after the first p
 already present among HEAD's experiments with exactly these params is skipped, so a rerun after adding a point runs
 only the new one. Then ``metrics/frontier/<preset>.csv`` (one row per point, plus the reference at KL 0) and the chart
 data ``metrics/frontier/chart/<preset>.json`` are rebuilt from every experiment of the preset's sweeps
-(``--collect`` does only that).
+(``--collect`` does only that). Other methods are series of their own knob: ``--beta`` (DPO), ``--tau`` (IPO),
+``--best-of-n``; ``--seeds`` runs each point once per seed (``<name>-s<seed>``) and the means table and chart show the
+mean over seeds and its standard error. ``--jobs N`` (N > 1) queues the points and runs N at a time with DVC's
+experiment queue (``dvc exp run --queue``, ``dvc queue start -j N``), each in a temporary copy of the project.
 """
 
 from __future__ import annotations
@@ -14,14 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlhf.eval.frontier import Point, frontier_rows, grid, same, write_frontier
+from rlhf.eval.frontier import KINDS, Point, frontier_files, frontier_rows, grid, same, write_frontier
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ParamsError, PipelineError
 from rlhf.pipeline.params import parse_params
 from tools.recipe import (
+    LOCAL_INPUTS,
     add_input_flags,
     as_override,
     copy_inputs,
@@ -37,6 +42,8 @@ NO_PRESET = "params"  # the name of a sweep over params.yaml as committed
 # on offline-cpu (BENCHMARKS.md) 0.4 gave 1.7 nats, 0.25 3.7 and 0.1 11.4 (where the policy collapses onto stock
 # phrases): this grid spans that useful range, denser around the presets' 0.2
 DEFAULT_KL_COEFS = [0.1, 0.15, 0.2, 0.3, 0.4]
+POLL_SECONDS = 5  # between two looks at the queue: a point takes minutes
+IDLE_POLLS = 6  # looks that find our points queued and no worker at all before the queue counts as stalled
 
 
 def dvc(*args: str) -> str:
@@ -63,9 +70,13 @@ def head_experiments() -> tuple[dict[str, Any], dict[str, Any], dict[str, dict]]
     experiments = {}
     for exp in baseline.get("experiments") or []:
         data = (exp.get("revs") or [{}])[0].get("data")
-        if exp.get("name") and data:
-            metrics = {file: flatten(found.get("data") or {}) for file, found in (data.get("metrics") or {}).items()}
-            experiments[exp["name"]] = {"params": flatten(params(data)), "metrics": metrics}
+        if not exp.get("name") or not data:
+            continue
+        if (exp.get("executor") or {}).get("state", "success") != "success" or exp["revs"][0].get("error"):
+            experiments[exp["name"]] = {"params": {}, "metrics": {}}  # a failed or unfinished queued run: run again
+            continue
+        metrics = {file: flatten(found.get("data") or {}) for file, found in (data.get("metrics") or {}).items()}
+        experiments[exp["name"]] = {"params": flatten(params(data)), "metrics": metrics}
     return params(baseline["data"]), params(workspace["data"]), experiments
 
 
@@ -78,8 +89,10 @@ def overrides(changes: dict[str, Any], workspace: dict[str, Any], desired: dict[
     return keys
 
 
-def run_point(i: int, n: int, point: Point, keys: dict[str, Any], replace: bool, dry_run: bool) -> None:
-    """Run one point as ``dvc exp run -n NAME -S ...`` (its stage logs pass through) and print one progress line."""
+def run_point(i: int, n: int, point: Point, keys: dict[str, Any], replace: bool, dry_run: bool,
+              queue: list[str] | None = None) -> None:
+    """Run one point as ``dvc exp run -n NAME -S ...`` (its stage logs pass through) and print one progress line;
+    with ``queue`` (the untracked paths its temporary copy needs) only queue it."""
     if replace:
         print(f"[{i}/{n}] {point.name}: an experiment of that name has other params; replacing it", flush=True)
         command = ["dvc", "exp", "remove", point.name]
@@ -87,10 +100,16 @@ def run_point(i: int, n: int, point: Point, keys: dict[str, Any], replace: bool,
         if not dry_run and run_dvc(command).returncode != 0:
             raise PipelineError(f"{point.name}: dvc exp remove failed")
     command = ["dvc", "exp", "run", "-n", point.name]
+    if queue is not None:
+        command += ["--queue", *(arg for path in queue for arg in ("-C", path))]
     for key, value in keys.items():
         command += ["-S", f"{key}={as_override(value)}"]
     print(" ".join(command), flush=True)
     if dry_run:
+        return
+    if queue is not None:
+        if run_dvc(command).returncode != 0:
+            raise PipelineError(f"{point.name}: dvc exp run --queue failed")
         return
     start = time.perf_counter()
     code = run_dvc(command).returncode
@@ -99,9 +118,10 @@ def run_point(i: int, n: int, point: Point, keys: dict[str, Any], replace: bool,
     print(f"[{i}/{n}] {point.name}: ran in {time.perf_counter() - start:.0f} s", flush=True)
 
 
-def sweep(points: list[Point], changes: dict[str, Any], not_copied: dict[str, Path], dry_run: bool) -> None:
+def sweep(points: list[Point], changes: dict[str, Any], not_copied: dict[str, Path], dry_run: bool,
+          jobs: int = 1) -> None:
     """Validate every point's params, copy the local inputs, then run the points that are not experiments of HEAD
-    with these params yet.
+    with these params yet: one at a time in the workspace, or with ``jobs`` > 1 through DVC's queue.
 
     ``not_copied``: the local inputs to copy ({target: source}); their sources stand in for them when the params are
     validated, so nothing is copied for a sweep that would fail."""
@@ -112,57 +132,137 @@ def sweep(points: list[Point], changes: dict[str, Any], not_copied: dict[str, Pa
                      if isinstance(v, str) and v in not_copied}
         parse_params(overlay(desired[point.name], stand_ins), ".")
     copy_inputs(not_copied, dry_run)
+    queued = []
     for i, point in enumerate(points, 1):
         found = experiments.get(point.name)
         if found and same(found["params"], flatten(desired[point.name])):
             print(f"[{i}/{len(points)}] {point.name}: skipped (an experiment with these params exists)", flush=True)
             continue
         keys = overrides(changes | point.knob, workspace, desired[point.name])
-        run_point(i, len(points), point, keys, replace=found is not None, dry_run=dry_run)
-        workspace = desired[point.name]
+        # a queued point runs in a copy of the commit: the local inputs it reads, ignored by git, go with it
+        queue = sorted({v for v in flatten(desired[point.name]).values() if v in LOCAL_INPUTS.values()})
+        run_point(i, len(points), point, keys, replace=found is not None, dry_run=dry_run,
+                  queue=queue if jobs > 1 else None)
+        if jobs > 1:
+            queued.append(point.name)
+        else:  # a queued run leaves the workspace as it was
+            workspace = desired[point.name]
+    if jobs > 1:
+        run_queue(queued, jobs, dry_run)
 
 
-def float_list(text: str) -> list[float]:
-    """``0.05,0.1`` -> [0.05, 0.1] (duplicates dropped); argparse names the flag when a value is not a number."""
-    values = [float(part) for part in text.split(",") if part.strip()]
-    if any(value < 0 for value in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: values must be >= 0")
-    return list(dict.fromkeys(values))
+def queue_status() -> tuple[dict[str, set[str]], bool]:
+    """{experiment name: the statuses of its tasks} from ``dvc queue status``, and whether any worker is up."""
+    statuses: dict[str, set[str]] = {}
+    workers = True
+    for line in dvc("queue", "status").splitlines():
+        parts = line.split()
+        if line.startswith("Worker status:"):
+            workers = line.replace(",", "").split()[2:5:2] != ["0", "0"]  # "N active, M idle"
+        elif len(parts) >= 4 and parts[0] != "Task":
+            statuses.setdefault(parts[1], set()).add(parts[-1])
+    return statuses, workers
 
 
-def main() -> None:
+def run_queue(names: list[str], jobs: int, dry_run: bool) -> None:
+    """Start ``jobs`` queue workers and wait until every queued point has run, one progress line each."""
+    if not names:
+        return
+    command = ["dvc", "queue", "start", "-j", str(jobs)]
+    print(" ".join(command), flush=True)
+    if dry_run:
+        return
+    if run_dvc(command).returncode != 0:
+        raise PipelineError("dvc queue start failed; the points stay queued (dvc queue status)")
+    start, waiting, failed, idle = time.perf_counter(), list(names), [], 0
+    while waiting:
+        time.sleep(POLL_SECONDS)
+        statuses, workers = queue_status()
+        idle = 0 if workers else idle + 1
+        for name in list(waiting):
+            if not statuses.get(name, set()) & {"Queued", "Running"}:
+                waiting.remove(name)
+                ok = "Failed" not in statuses.get(name, set())
+                if not ok:
+                    failed.append(name)
+                verdict = f"ran in {time.perf_counter() - start:.0f} s" if ok else f"failed (dvc queue logs {name})"
+                print(f"[{len(names) - len(waiting)}/{len(names)}] {name}: {verdict}", flush=True)
+        if waiting and idle >= IDLE_POLLS:
+            raise PipelineError(f"dvc queue: no worker runs {', '.join(waiting)} (dvc queue start -j {jobs} resumes)")
+    if failed:
+        raise PipelineError(f"{', '.join(failed)}: failed in the queue (dvc queue logs NAME); the other points are "
+                            "kept as experiments")
+
+
+def number_list(cast: Callable[[str], float], minimum: int) -> Callable[[str], list]:
+    """An argparse type: ``0.05,0.1`` -> [0.05, 0.1] (duplicates dropped), each value >= ``minimum``; argparse names
+    the flag when a value is not a number of that kind."""
+    def parse(text: str) -> list:
+        values = [cast(part) for part in text.split(",") if part.strip()]
+        if any(value < minimum for value in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: values must be >= {minimum}")
+        return list(dict.fromkeys(values))
+
+    parse.__name__ = f"{getattr(cast, '__name__', 'number')} list"  # argparse's "invalid <name> value"
+    return parse
+
+
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tools.frontier", description=__doc__.splitlines()[0])
     parser.add_argument("preset", nargs="?", help="a preset from presets/ (none: params.yaml as committed)")
-    parser.add_argument("--kl-coef", type=float_list, default=None, metavar="C1,C2,...",
-                        help="fixed KL coefficients (ppo.adap_kl_ctrl=false); default "
-                             f"{','.join(map(str, DEFAULT_KL_COEFS))} unless --target is given")
-    parser.add_argument("--target", type=float_list, default=[], metavar="T1,T2,...",
-                        help="adaptive KL targets in nats (ppo.adap_kl_ctrl=true)")
+    parser.add_argument("--kl-coef", type=number_list(float, 0), default=None, metavar="C1,C2,...",
+                        help="PPO at fixed KL coefficients (ppo.adap_kl_ctrl=false); default "
+                             f"{','.join(map(str, DEFAULT_KL_COEFS))} unless another knob is given")
+    parser.add_argument("--target", type=number_list(float, 0), default=[], metavar="T1,T2,...",
+                        help="PPO at adaptive KL targets in nats (ppo.adap_kl_ctrl=true)")
+    parser.add_argument("--beta", type=number_list(float, 0), default=[], metavar="B1,B2,...",
+                        help="DPO (method=dpo, dpo.loss=dpo) at these dpo.beta; series 'dpo' unless --series")
+    parser.add_argument("--tau", type=number_list(float, 0), default=[], metavar="T1,T2,...",
+                        help="IPO (method=dpo, dpo.loss=ipo) at these dpo.tau; series 'ipo' unless --series")
+    parser.add_argument("--best-of-n", type=number_list(int, 1), default=[], metavar="N1,N2,...",
+                        help="best-of-N (method=best_of_n) at these evaluate.best_of_n; series 'best-of-n'")
+    parser.add_argument("--seeds", type=number_list(int, 0), default=[], metavar="S1,S2,...",
+                        help="run each point once per seed (param seed; names end in -s<seed>)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="points run at a time through DVC's experiment queue (default 1: one by one, no queue)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a params key for every point of the sweep (repeatable; needs --series)")
     parser.add_argument("--series", help="the sweep's name in experiment names and the chart (e.g. rloo)")
     parser.add_argument("--collect", action="store_true", help="only rebuild the table from existing experiments")
     parser.add_argument("--dry-run", action="store_true", help="print the dvc commands; run and write nothing")
     add_input_flags(parser)
-    args = parser.parse_args()
+    return parser
 
+
+def main() -> None:
+    args = arguments().parse_args()
     name = args.preset or NO_PRESET
     preset = load_preset(args.preset) if args.preset else {}
     extras = parse_sets(args.set, "--set")
     if extras and not args.series:
         raise ParamsError("--set: name the series with --series (its points need names of their own)")
-    kl_coefs = DEFAULT_KL_COEFS if args.kl_coef is None and not args.target else args.kl_coef or []
-    points = [] if args.collect else grid(name, args.series, kl_coefs, args.target)
+    if args.jobs < 1:
+        raise ParamsError(f"--jobs: must be >= 1 (got {args.jobs})")
+    values = {"kl": args.kl_coef or [], "target": args.target, "beta": args.beta, "tau": args.tau,
+              "n": args.best_of_n}
+    if args.kl_coef is None and not any(values.values()):
+        values["kl"] = DEFAULT_KL_COEFS
+    values = {kind: knob_values for kind, knob_values in values.items() if knob_values}
+    if args.series and len({KINDS[kind][0] for kind in values}) > 1:
+        raise ParamsError("--series: one series is one method: give it --kl-coef/--target, --beta, --tau or "
+                          "--best-of-n, not several")
+    points = [] if args.collect else grid(name, args.series, values, args.seeds)
     if points:
         copies = local_inputs(preset, {"imdb": args.imdb, "tokenizer": args.tokenizer})
-        sweep(points, flatten(preset) | extras, copies, args.dry_run)
+        sweep(points, flatten(preset) | extras, copies, args.dry_run, args.jobs)
     if args.dry_run:
         return
     rows = frontier_rows(head_experiments()[2], name, flatten(preset))
     if not rows:
         raise PipelineError(f"no experiment of HEAD belongs to a {name} sweep (names like {name}-kl0.1)")
     table, chart = write_frontier(rows, name)
-    print(f"frontier: {len(rows)} rows in {table} (chart data: {chart})", flush=True)
+    print(f"frontier: {len(rows)} rows in {table}, the means over seeds in {frontier_files(name)[1]} (chart data: "
+          f"{chart})", flush=True)
 
 
 if __name__ == "__main__":

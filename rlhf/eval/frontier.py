@@ -1,15 +1,20 @@
-"""The reward-KL frontier: sweep points over the KL knob, and the table and chart built from their DVC experiments.
+"""The reward-KL frontier: sweep points over a method's knob, and the tables and chart built from their experiments.
 
-A point is one experiment named ``<preset>[-<series>]-kl<init_kl_coef>`` (fixed coefficient) or
-``<preset>[-<series>]-target<target>`` (adaptive controller). The table has one row per point and, per series, one
-KL-0 row for the reference policy (its ``reference.*`` metrics), so every curve starts at the origin of the trade.
-No I/O here besides ``write_frontier``; running DVC is the job of ``tools/frontier.py``.
+A point is one experiment named ``<preset>[-<series>]-<label>[-s<seed>]``, the label naming its knob: ``kl<c>`` (PPO at
+a fixed KL coefficient), ``target<t>`` (PPO's adaptive controller), ``beta<b>`` (DPO), ``tau<t>`` (IPO), ``n<N>``
+(best-of-N). The table has one row per point and seed and, per series and seed, one KL-0 row for the reference policy
+(its ``reference.*`` metrics), so every curve starts at the origin of the trade; the means table has one row per point,
+each metric's mean over the seeds and its standard error. Best-of-N has no sampled KL: its rows carry the analytic
+bound log N - (N-1)/N (``kl.source`` says which). No I/O here besides ``write_frontier``; running DVC is the job of
+``tools/frontier.py``.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +29,21 @@ CHART_DIR = FRONTIER_DIR / "chart"  # a folder of its own: dvc.yaml plots every 
 DEFAULT_SERIES = "default"
 REFERENCE = "reference"
 RM = "reward model"
-KNOBS = ["ppo.adap_kl_ctrl", "ppo.init_kl_coef", "ppo.target"]
+# each kind of point: its label prefix -> (the series it joins unless --series names one, its params keys)
+KINDS: dict[str, tuple[str | None, Callable[[Any], dict[str, Any]]]] = {
+    "kl": (None, lambda c: {"method": "ppo", "ppo.adap_kl_ctrl": False, "ppo.init_kl_coef": c}),
+    "target": (None, lambda t: {"method": "ppo", "ppo.adap_kl_ctrl": True, "ppo.target": t}),
+    "beta": ("dpo", lambda b: {"method": "dpo", "dpo.loss": "dpo", "dpo.beta": b}),
+    "tau": ("ipo", lambda t: {"method": "dpo", "dpo.loss": "ipo", "dpo.tau": t}),
+    "n": ("best-of-n", lambda n: {"method": "best_of_n", "evaluate.best_of_n": n}),
+}
+# the table's knob columns, filled for the method a row ran (a PPO row's dpo.beta is an unused default)
+METHOD_KNOBS = {"ppo": ["ppo.adap_kl_ctrl", "ppo.init_kl_coef", "ppo.target"],
+                "dpo": ["dpo.loss", "dpo.beta", "dpo.tau", "dpo.pairs"], "best_of_n": ["evaluate.best_of_n"]}
+KNOBS = ["method", *(key for keys in METHOD_KNOBS.values() for key in keys)]
 EVAL = "metrics/eval.json"
-PPO = "metrics/ppo.json"
+TRAINING = {"ppo.seconds": "metrics/ppo.json", "dpo.seconds": "metrics/dpo.json"}  # each method's wall time
+BOUND = "kl.best_of_n_bound"
 # the same quantity for the trained policy and for the reference (the KL-0 row)
 POLICY_VS_REFERENCE = {"policy.reward_mean": "reference.reward_mean",
                        "policy.positive_rate": "reference.positive_rate",
@@ -34,16 +51,17 @@ POLICY_VS_REFERENCE = {"policy.reward_mean": "reference.reward_mean",
                        "diversity.distinct2": "diversity.reference_distinct2"}
 JUDGE = re.compile(r"judge\.(.+)\.policy_positive_rate")
 NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")  # a valid git ref component, as DVC requires
+MEMBER = rf"-(?:(.+)-)?((?:{'|'.join(KINDS)})[0-9][0-9.e+-]*)(?:-s([0-9]+))?"
 
 
 @dataclass(frozen=True)
 class Point:
     name: str
-    """The experiment's name: ``offline-cpu-kl0.05``."""
+    """The experiment's name: ``offline-cpu-kl0.05``, ``offline-cpu-dpo-beta0.1-s2``."""
     label: str
-    """What the chart writes beside the point: ``kl0.05``, ``target6``."""
+    """What the chart writes beside the point: ``kl0.05``, ``target6``, ``beta0.1``, ``n16``."""
     knob: dict[str, Any]
-    """The dotted params keys that make the point (``ppo.adap_kl_ctrl``, ``ppo.init_kl_coef`` or ``ppo.target``)."""
+    """The dotted params keys that make the point (``method`` and its knob, and ``seed`` for a seeded point)."""
 
 
 def prefix(preset: str, series: str | None) -> str:
@@ -55,13 +73,18 @@ def prefix(preset: str, series: str | None) -> str:
     return name
 
 
-def grid(preset: str, series: str | None, kl_coefs: list[float], targets: list[float]) -> list[Point]:
-    """One point per fixed KL coefficient (adap_kl_ctrl off) and per adaptive KL target (adap_kl_ctrl on)."""
-    start = prefix(preset, series)
-    points = [Point(f"{start}-kl{c:g}", f"kl{c:g}", {"ppo.adap_kl_ctrl": False, "ppo.init_kl_coef": c})
-              for c in kl_coefs]
-    points += [Point(f"{start}-target{t:g}", f"target{t:g}", {"ppo.adap_kl_ctrl": True, "ppo.target": t})
-               for t in targets]
+def grid(preset: str, series: str | None, values: dict[str, list], seeds: list[int] | None = None) -> list[Point]:
+    """One point per value of each kind in ``values`` ({"kl": [0.1], "beta": [0.1, 0.3], ...}), in the series
+    ``series`` or else the kind's own, and with ``seeds`` one per seed of each (the seed's point after the point's)."""
+    points = []
+    for kind, knob_values in values.items():
+        default, knob = KINDS[kind]
+        start = prefix(preset, series or default)
+        for value in knob_values:
+            label = f"{kind}{value:g}"
+            if not seeds:
+                points.append(Point(f"{start}-{label}", label, knob(value)))
+            points += [Point(f"{start}-{label}-s{seed}", label, knob(value) | {"seed": seed}) for seed in seeds or []]
     return points
 
 
@@ -79,25 +102,38 @@ def same(a: Any, b: Any) -> bool:
 
 
 def member(name: str, preset: str) -> tuple[str, str] | None:
-    """(series, label) of a sweep point of ``preset`` named ``name``, or None for any other experiment."""
-    found = re.fullmatch(rf"{re.escape(preset)}-(?:(.+)-)?((?:kl|target)[0-9][0-9.e+-]*)", name)
+    """(series, label) of a sweep point of ``preset`` named ``name`` (seeded or not), or None for any other
+    experiment."""
+    found = re.fullmatch(re.escape(preset) + MEMBER, name)
     return (found[1] or DEFAULT_SERIES, found[2]) if found else None
+
+
+def sampled_or_bound(evaluation: dict[str, Any]) -> dict[str, Any]:
+    """The row's KL: the sampled estimate, or for best-of-N (which has none) the analytic bound, saying which."""
+    if "kl.mean" not in evaluation and BOUND in evaluation:
+        return {"kl.source": "bound", "kl.mean": evaluation[BOUND], "kl.full_mean": None}
+    return {"kl.source": "sampled", "kl.mean": evaluation.get("kl.mean"),
+            "kl.full_mean": evaluation.get("kl.full_mean")}
 
 
 def point_row(name: str, series: str, label: str, params: dict[str, Any], metrics: dict[str, dict]) -> dict:
     """One table row from an experiment's flat params and its metrics files."""
-    evaluation, ppo = metrics.get(EVAL, {}), metrics.get(PPO, {})
-    row = {"experiment": name, "series": series, "point": label, **{k: params.get(k) for k in KNOBS},
-           "kl.mean": evaluation.get("kl.mean"), "kl.full_mean": evaluation.get("kl.full_mean")}
+    evaluation = metrics.get(EVAL, {})
+    method = params.get("method", "ppo")
+    row = {"experiment": name, "series": series, "point": label, "seed": params.get("seed"), "method": method,
+           **{key: params.get(key) for key in METHOD_KNOBS.get(method, [])}, **sampled_or_bound(evaluation)}
     row |= {key: evaluation.get(key) for key in POLICY_VS_REFERENCE}
     row |= {key: value for key, value in evaluation.items() if JUDGE.fullmatch(key)}
-    return row | {"objective/kl_coef": ppo.get("objective/kl_coef"), "ppo.seconds": ppo.get("seconds")}
+    row["objective/kl_coef"] = metrics.get(TRAINING["ppo.seconds"], {}).get("objective/kl_coef")
+    return row | {key: metrics.get(file, {}).get("seconds") for key, file in TRAINING.items()}
 
 
-def reference_row(series: str, metrics: dict[str, dict]) -> dict:
-    """The KL-0 row: the reference policy's own numbers, from any experiment of the series (they share it)."""
+def reference_row(series: str, seed: Any, metrics: dict[str, dict]) -> dict:
+    """The KL-0 row: the reference policy's own numbers, from any experiment of the series and seed (they share
+    it)."""
     evaluation = metrics.get(EVAL, {})
-    row = {"experiment": "", "series": series, "point": REFERENCE, "kl.mean": 0.0, "kl.full_mean": 0.0}
+    row = {"experiment": "", "series": series, "point": REFERENCE, "seed": seed,
+           "kl.source": sampled_or_bound(evaluation)["kl.source"], "kl.mean": 0.0, "kl.full_mean": 0.0}
     row |= {key: evaluation.get(ref) for key, ref in POLICY_VS_REFERENCE.items()}
     for key in evaluation:
         if found := JUDGE.fullmatch(key):
@@ -106,11 +142,12 @@ def reference_row(series: str, metrics: dict[str, dict]) -> dict:
 
 
 def frontier_rows(experiments: dict[str, dict], preset: str, changes: dict[str, Any]) -> list[dict]:
-    """The table: every experiment of ``preset``'s sweeps (by name, and holding the preset's params), one reference
-    row per series first. ``experiments`` maps a name to ``{"params": flat dotted params, "metrics": {file: flat}}``;
-    ``changes`` are the preset's flat params."""
+    """The table: every experiment of ``preset``'s sweeps (by name, and holding the preset's params), a series'
+    reference rows (one per seed) first, then its points by their mean KL, each point's seeds together.
+    ``experiments`` maps a name to ``{"params": flat dotted params, "metrics": {file: flat}}``; ``changes`` are the
+    preset's flat params."""
     by_series: dict[str, list[dict]] = {}
-    references: dict[str, dict] = {}
+    references: dict[str, dict[Any, dict]] = {}
     for name, exp in sorted(experiments.items()):
         found = member(name, preset)
         if not found or EVAL not in exp["metrics"]:
@@ -118,37 +155,103 @@ def frontier_rows(experiments: dict[str, dict], preset: str, changes: dict[str, 
         if not all(same(exp["params"].get(key), value) for key, value in changes.items()):
             continue
         series, label = found
-        by_series.setdefault(series, []).append(point_row(name, series, label, exp["params"], exp["metrics"]))
-        references.setdefault(series, reference_row(series, exp["metrics"]))
+        row = point_row(name, series, label, exp["params"], exp["metrics"])
+        by_series.setdefault(series, []).append(row)
+        references.setdefault(series, {}).setdefault(row["seed"], reference_row(series, row["seed"], exp["metrics"]))
     rows = []
     for series in sorted(by_series):
-        rows += [references[series], *sorted(by_series[series], key=lambda row: (row["kl.mean"], row["point"]))]
+        kl = {key: mean_stderr([row["kl.mean"] for row in group])[0] for key, group in groups(by_series[series])}
+        order = sorted(by_series[series], key=lambda row: (kl[series, row["point"]] is None,
+                                                           kl[series, row["point"]] or 0.0, row["point"],
+                                                           str(row["seed"])))
+        rows += [references[series][seed] for seed in sorted(references[series], key=str)] + order
     return rows
+
+
+def groups(rows: list[dict]) -> list[tuple[tuple[str, str], list[dict]]]:
+    """((series, point), its rows) in order of first appearance, a seed counted once (``seed`` missing: one row)."""
+    grouped: dict[tuple[str, str], dict[Any, dict]] = {}
+    for row in rows:
+        grouped.setdefault((row["series"], row["point"]), {}).setdefault(row.get("seed"), row)
+    return [(key, list(by_seed.values())) for key, by_seed in grouped.items()]
+
+
+def mean_stderr(values: list[Any]) -> tuple[float | None, float | None]:
+    """The mean of the values present and its standard error, sample sd / sqrt(n) (None below two values)."""
+    present = [float(value) for value in values if value is not None and not pd.isna(value)]
+    if not present:
+        return None, None
+    stderr = statistics.stdev(present) / math.sqrt(len(present)) if len(present) > 1 else None
+    return statistics.fmean(present), stderr
+
+
+def numeric(rows: list[dict]) -> list[str]:
+    """The metric columns a mean is taken of, in the table's order."""
+    fixed = ["experiment", "series", "point", "seed", *KNOBS, "kl.source"]
+    return [column for column in columns(rows) if column not in fixed]
+
+
+def mean_rows(rows: list[dict]) -> list[dict]:
+    """The means table: one row per point (and per series' reference) with each metric's mean over its seeds and,
+    as ``<metric>.stderr``, its standard error; ``seeds`` counts them."""
+    out = []
+    for _, group in groups(rows):
+        first = group[0]
+        row = {"experiments": " ".join(r["experiment"] for r in group if r["experiment"]), "series": first["series"],
+               "point": first["point"], "seeds": len(group), **{key: first.get(key) for key in KNOBS},
+               "kl.source": first.get("kl.source")}
+        for column in numeric(rows):
+            row[column], row[f"{column}.stderr"] = mean_stderr([r.get(column) for r in group])
+        out.append(row)
+    return out
 
 
 def columns(rows: list[dict]) -> list[str]:
     """Fixed columns in a fixed order, every judge's positive rate after the reward model's."""
     judges = sorted({key for row in rows for key in row if JUDGE.fullmatch(key)})
-    return ["experiment", "series", "point", *KNOBS, "kl.mean", "kl.full_mean", "policy.reward_mean",
-            "policy.positive_rate", *judges, "fluency.ref_perplexity", "diversity.distinct2", "objective/kl_coef",
-            "ppo.seconds"]
+    return ["experiment", "series", "point", "seed", *KNOBS, "kl.source", "kl.mean", "kl.full_mean",
+            "policy.reward_mean", "policy.positive_rate", *judges, "fluency.ref_perplexity", "diversity.distinct2",
+            "objective/kl_coef", *TRAINING]
 
 
-def chart_points(rows: list[dict]) -> list[dict]:
-    """The chart's data, one record per row and scorer: positive rate against sampled KL."""
+def chart_points(means: list[dict]) -> list[dict]:
+    """The chart's data, one record per point and scorer: the mean positive rate against the mean KL, each with the
+    ends of its error bar (mean +- standard error; None for a point of one seed)."""
     records = []
-    for row in rows:
-        scorers = {RM: row["policy.positive_rate"]}
-        scorers |= {found[1]: value for key, value in row.items() if (found := JUDGE.fullmatch(key))}
-        records += [{"series": row["series"], "point": row["point"], "experiment": row["experiment"],
-                     "scorer": scorer, "kl.mean": row["kl.mean"], "positive_rate": rate}
-                    for scorer, rate in scorers.items() if rate is not None]
+    for row in means:
+        scorers = {RM: "policy.positive_rate"}
+        scorers |= {found[1]: key for key in row if (found := JUDGE.fullmatch(key))}
+        bound = row.get("kl.source") == "bound"
+        for scorer, key in scorers.items():
+            if row.get(key) is None:
+                continue
+            records.append({"series": row["series"], "point": row["point"], "experiments": row["experiments"],
+                            "label": f"{row['point']} (KL bound)" if bound and row["point"] != REFERENCE
+                            else row["point"], "seeds": row["seeds"], "scorer": scorer, "kl.source": row["kl.source"],
+                            "kl.mean": row["kl.mean"], "positive_rate": row[key],
+                            **bar("kl", row["kl.mean"], row.get("kl.mean.stderr")),
+                            **bar("positive_rate", row[key], row.get(f"{key}.stderr"))})
     return records
 
 
+def bar(name: str, mean: float | None, stderr: float | None) -> dict[str, float | None]:
+    """``<name>_low`` and ``<name>_high``: mean -+ standard error, None without one."""
+    if mean is None or stderr is None:
+        return {f"{name}_low": None, f"{name}_high": None}
+    return {f"{name}_low": mean - stderr, f"{name}_high": mean + stderr}
+
+
+def frontier_files(name: str) -> tuple[Path, Path, Path]:
+    """The table, the means table and the chart data of the preset ``name``."""
+    return FRONTIER_DIR / f"{name}.csv", FRONTIER_DIR / f"{name}.mean.csv", CHART_DIR / f"{name}.json"
+
+
 def write_frontier(rows: list[dict], name: str) -> tuple[Path, Path]:
-    """Write ``metrics/frontier/<name>.csv`` (the table) and ``metrics/frontier/chart/<name>.json`` atomically."""
-    table, chart = FRONTIER_DIR / f"{name}.csv", CHART_DIR / f"{name}.json"
+    """Write the table ``metrics/frontier/<name>.csv``, the means over seeds ``metrics/frontier/<name>.mean.csv`` and
+    the chart data ``metrics/frontier/chart/<name>.json``, each atomically; return the table's and the chart's path."""
+    table, mean_table, chart = frontier_files(name)
+    means = mean_rows(rows)
     write_text(pd.DataFrame(rows, columns=columns(rows)).to_csv(index=False), table)
-    write_json(chart_points(rows), chart)
+    write_text(pd.DataFrame(means).to_csv(index=False), mean_table)
+    write_json(chart_points(means), chart)
     return table, chart
