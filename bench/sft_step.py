@@ -25,11 +25,11 @@ import torch
 
 from bench.configs import set_threads
 from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.experiments import load_preset, overlay
 from rlhf.pipeline.schema import SftParams
 from rlhf.pipeline.yaml_files import read_yaml
 from rlhf.train.precision import autocast, mixed_precision, pick_device
 from rlhf.train.sft import next_token_loss, scratch_model
-from tools.recipe import load_preset, overlay
 
 GPT2_VOCAB, EOS = 50257, 50256
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import dvc, set_params
 
+from rlhf.pipeline.experiments import as_override, flatten, overlay
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.yaml_files import read_yaml
-from tools.recipe import as_override, flatten, overlay
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "presets").glob("*.yaml"))

@@ -1,0 +1,142 @@
+"""What the tools that run DVC experiments share (tools/recipe.py, tools/frontier.py): presets as params overlays,
+flat dotted params, ``-S`` values DVC parses back to the same value, validation before anything is copied or run, the
+local inputs a preset reads under data/raw/, and running dvc with its failure as one line."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from rlhf.pipeline.errors import ParamsError, PipelineError
+from rlhf.pipeline.params import parse_params
+from rlhf.pipeline.yaml_files import parse_yaml, read_yaml
+
+PRESETS = Path("presets")
+LOCAL_INPUTS = {"imdb": "data/raw/imdb", "tokenizer": "data/raw/gpt2-tokenizer"}
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"ppo": {"steps": 2}} -> {"ppo.steps": 2}."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def overlay(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for dotted, value in flatten(changes).items():
+        node = merged
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return merged
+
+
+# a string Hydra's override grammar (which parses DVC's -S values) reads back unquoted as the same string
+PLAIN_STRING = re.compile(r"(?:[A-Za-z_]|\.{0,2}/)[A-Za-z0-9_./-]*")
+HYDRA_KEYWORDS = {"true", "false", "null", "inf", "nan"}
+
+
+def as_override(value: None | bool | int | float | str | list) -> str:
+    """A validated params value spelled so that ``dvc exp run -S key=<it>`` writes back the same value and type.
+
+    DVC parses ``-S`` with Hydra's override grammar (not YAML): null, true, 1e-05, [train,unsupervised], and a string
+    that would read as something else (``'1'``, ``'null'``, ``'a b'``) in single quotes.
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ",".join(map(as_override, value)) + "]"
+    if PLAIN_STRING.fullmatch(value) and value.lower() not in HYDRA_KEYWORDS:
+        return value
+    # Hydra's quoted strings: \' is a quote; backslashes are literal except before a quote or the closing quote
+    escaped = re.sub(r"(\\*)'", lambda m: m[1] * 2 + "\\'", value)
+    escaped = re.sub(r"(\\+)$", lambda m: m[1] * 2, escaped)
+    return f"'{escaped}'"
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    path = PRESETS / f"{name}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
+        raise ParamsError(f"{path}: no such preset (known: {known})")
+    return read_yaml(path) or {}
+
+
+def parse_sets(pairs: list[str], flag: str) -> dict[str, Any]:
+    """``key=value`` pairs (value in YAML, as DVC's ``-S`` reads it) into {dotted key: value}."""
+    changes = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ParamsError(f"{flag}: {pair!r} is not key=value")
+        changes[key] = parse_yaml(value, f"{flag} {pair!r}")
+    return changes
+
+
+def local_inputs(changes: dict[str, Any], sources: dict[str, Path | None]) -> dict[str, Path]:
+    """{target: source} of the local IMDb / tokenizer copies the preset needs under data/raw/ (a DVC dependency) and
+    that are missing there; a source not given or missing is an error."""
+    wanted = [value for value in flatten(changes).values() if isinstance(value, str)]
+    copies = {}
+    for kind, target in LOCAL_INPUTS.items():
+        if target not in wanted or Path(target).exists():
+            continue
+        if sources[kind] is None:
+            raise ParamsError(f"--{kind}: the preset reads {target}, which is missing: pass --{kind} FOLDER to copy "
+                              "it there")
+        if not sources[kind].exists():
+            raise ParamsError(f"--{kind}: {sources[kind]} does not exist (the preset needs a copy at {target})")
+        copies[target] = sources[kind]
+    return copies
+
+
+def copy_inputs(copies: dict[str, Path], dry_run: bool) -> None:
+    """Make the ``local_inputs`` copies (with ``dry_run``, only say so)."""
+    from rlhf.pipeline.io import atomic_path  # imports torch: not for a dry run
+
+    for target, source in copies.items():
+        print(f"{'would copy' if dry_run else 'copying'} {source} -> {target}")
+        if not dry_run:
+            with atomic_path(target) as tmp:  # an interrupted copy must not pass for a complete one next time
+                shutil.copytree(source, tmp)
+
+
+def validate(base: dict[str, Any], changes: dict[str, Any], copies: dict[str, Path]) -> None:
+    """Validate params.yaml with the preset applied, each copy still to be made read as its source (which exists),
+    so that nothing is copied for a preset that would fail."""
+    due = {target: str(source.resolve()) for target, source in copies.items()}
+    parse_params(overlay(base, {key: due.get(value, value) if isinstance(value, str) else value
+                                for key, value in flatten(changes).items()}), ".")
+
+
+def run_dvc(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of a dvc command; dvc missing from PATH is one line, not a traceback."""
+    try:
+        return subprocess.run(command, **kwargs)
+    except FileNotFoundError:
+        raise PipelineError(f"{command[0]}: not found on PATH (install the project's requirements, or activate "
+                            "their environment)") from None
+
+
+def add_input_flags(parser: argparse.ArgumentParser) -> None:
+    """--imdb and --tokenizer: where to copy a preset's local inputs from, needed only when they are missing."""
+    parser.add_argument("--imdb", type=Path, help=f"local IMDb Parquet folder, copied to {LOCAL_INPUTS['imdb']} "
+                                                  "when a preset reads it and it is missing")
+    parser.add_argument("--tokenizer", type=Path, help=f"local tokenizer folder, copied to "
+                                                       f"{LOCAL_INPUTS['tokenizer']} when a preset reads it and it is "
+                                                       "missing")
