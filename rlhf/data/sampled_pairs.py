@@ -7,7 +7,7 @@ import pyarrow as pa
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.eval.sampling import sample_run, score_run
+from rlhf.eval.runs import sample_run, score_run
 from rlhf.models.sampling import SamplingParams
 from rlhf.models.scorers import Scorer
 from rlhf.rl.preference import preference_pairs

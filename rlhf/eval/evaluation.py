@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.eval.sampling import Run, best_of_n_run, sample_run, score_run
+from rlhf.eval.runs import Run, best_of_n_run, sample_run, score_run
 from rlhf.models.logprobs import logprobs_from_logits
 from rlhf.models.scorers import Scorer
 from rlhf.pipeline.schema import Params
