@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf.pipeline.experiments import LOCAL_INPUTS
+
 PHASES = ("generate", "score", "forward", "update")
 
 
@@ -65,8 +67,9 @@ CONFIGS = {
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="bench-cpu")
-    parser.add_argument("--data", type=Path, default=Path("../shared/imdb"), help="IMDb Parquet folder")
-    parser.add_argument("--tokenizer", default="../shared/gpt2-tokenizer", help="GPT-2 tokenizer folder")
+    # where the offline recipe keeps its local copies (tools/recipe.py): what a user who ran it has
+    parser.add_argument("--data", type=Path, default=Path(LOCAL_INPUTS["imdb"]), help="IMDb Parquet folder")
+    parser.add_argument("--tokenizer", default=LOCAL_INPUTS["tokenizer"], help="GPT-2 tokenizer folder")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations, after one warm-up iteration")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own, one per core)")
     parser.add_argument("--precision", choices=["auto", "fp32"], default="auto",
