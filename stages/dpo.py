@@ -10,52 +10,83 @@ Writes  models/dpo/        the trained LM + tokenizer (AutoModelForCausalLM); on
         metrics/dpo.json   summary: the held-out stats at the end, pairs, steps, seconds
 The reference's log-probs are computed once, before training (rlhf/train/dpo.py). The outputs are replaced together
 when the stage completes, or not at all; with dpo.checkpoint_every a rerun after a kill resumes from the newest
-checkpoint in data/checkpoints/dpo/ to the same result.
+checkpoint in data/checkpoints/dpo/ to the same result. Its params are the dpo: section below (DpoParams).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
 
-import pandas as pd
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from pydantic import Field
 
-from rlhf.data.pairs import read_pairs
-from rlhf.models.loading import context_size, initial_policy, load_initial_policy
+from rlhf.models.loading import context_size, initial_policy, load_initial_policy, save_pretrained
 from rlhf.pipeline.cli import run_stage
-from rlhf.pipeline.errors import DataError, ModelError
-from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, atomic_path, run_switchable, write_json, write_text
+from rlhf.pipeline.errors import ModelError
+from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, run_switchable, write_json
 from rlhf.pipeline.params import load_params
-from rlhf.pipeline.paths import (
-    DPO_CURVES,
-    DPO_DIR,
-    DPO_METRICS,
-    PAIRS_DIR,
-    SAMPLED_PAIRS_DIR,
-    SAMPLED_TEST_PAIRS,
-    SAMPLED_TRAIN_PAIRS,
-    SFT_DIR,
-    TEST_PAIRS,
-    TRAIN_PAIRS,
-)
+from rlhf.pipeline.paths import PAIRS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR
 from rlhf.pipeline.registry import Output, Stage
 from rlhf.pipeline.schema import Params
+from rlhf.pipeline.sections import Rule, Section
 from rlhf.train import checkpoint, dpo
 from rlhf.train.precision import pick_device
 from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("dpo")
 
-PAIR_FILES = {"prepare": (PAIRS_DIR, TRAIN_PAIRS, TEST_PAIRS),
-              "sampled": (SAMPLED_PAIRS_DIR, SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS)}  # dpo.pairs -> its files
-EVAL_POINTS = 10  # held-out evaluations a run, evenly spaced (the last after the last step)
+DPO_DIR = Path("models/dpo")
+DPO_CURVES = Path("metrics/dpo")  # DVCLive's folder
+DPO_METRICS = Path("metrics/dpo.json")
 EVAL_BATCH = 64  # pairs per forward pass of the reference and of the held-out evaluation
 DISABLED = "method is not dpo: evaluate reads the method's own policy"
+
+
+class DpoParams(Section):
+    """params.yaml's dpo: section (method dpo; the sample_pairs stage reads it too)."""
+
+    loss: Literal["dpo", "ipo"]
+    """dpo: -log sigmoid(beta h) (Rafailov et al. 2023), with label_smoothing the conservative cDPO; ipo:
+    (h - 1 / (2 tau))^2 (Azar et al. 2023); h: the chosen minus the rejected log-ratio log pi / pi_ref."""
+    beta: float = Field(gt=0)
+    """DPO's KL coefficient: small lets the policy move far from the reference."""
+    label_smoothing: float = Field(ge=0, lt=0.5)
+    """cDPO: the probability that a pair's label is flipped (0: plain DPO; 0.5 would learn nothing)."""
+    tau: float = Field(gt=0)
+    """IPO's regularisation strength: the target log-ratio margin is 1 / (2 tau) nats per sequence."""
+    pairs: Literal["prepare", "sampled"]
+    """prepare: prepare's data/pairs (a positive against a negative review's opening, the reward model's pairs);
+    sampled: samples_per_prompt completions per train prompt from the initial policy, ranked by the reward scorer
+    (data/sampled_pairs, the DPO paper's IMDb setup)."""
+    samples_per_prompt: int = Field(ge=2)
+    """k: completions sampled per prompt for sampled pairs; every two with different scores make a pair (k = 4: up to
+    6 pairs a prompt)."""
+    sample_prompts: int | None = Field(gt=0)
+    """Train prompts sampled for sampled pairs (the first ones; a tenth of them held out for test pairs); null: all."""
+    learning_rate: float = Field(gt=0)
+    """Peak AdamW learning rate (warmup, then cosine decay)."""
+    batch_size: int = Field(gt=0)
+    """Pairs per optimizer step."""
+    epochs: int = Field(gt=0)
+    """Shuffled passes over the training pairs."""
+    max_length: int = Field(gt=0)
+    """Token cap of prompt + response; responses are cut to fit."""
+    warmup_steps: int = Field(ge=0)
+    """Linear warmup steps (at most half of the steps)."""
+    max_grad_norm: float = Field(gt=0)
+    """Gradient-norm clip of each optimizer step."""
+    checkpoint_every: int | None = Field(ge=0)
+    """Optimizer steps per resumable checkpoint in data/checkpoints/dpo/ (a rerun after a kill resumes from the
+    newest); 0 or null: off."""
+
+    def check_with(self, params: Any) -> None:
+        s = params.sft
+        if s.enabled and s.base == "scratch" and self.max_length > s.n_positions:
+            raise Rule("dpo.max_length", f"must fit sft.n_positions ({s.n_positions})", self.max_length)
+
 
 STAGE = Stage(
     __spec__.name,
@@ -65,6 +96,8 @@ STAGE = Stage(
     inputs=(PAIRS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR),
     outputs=(Output(DPO_DIR), Output(DPO_CURVES, cache=False), Output(DPO_METRICS, "metrics", cache=False)),
     out_of_memory="lower dpo.batch_size or dpo.max_length",
+    section=DpoParams,
+    policy=DPO_DIR,
 )
 
 
@@ -75,56 +108,9 @@ def main() -> None:
                    DISABLED, {DPO_METRICS: '{"trained": false}\n', DPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
 
 
-def read_pair_files(params: Params) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The (train, test) pairs of dpo.pairs, checked before any model loads."""
-    folder, *files = PAIR_FILES[params.dpo.pairs]
-    if (folder / DISABLED_MARKER).exists():
-        raise DataError(f"{folder}: holds no pairs (run the sample_pairs stage with method dpo and dpo.pairs "
-                        f"{params.dpo.pairs})")
-    train, test = (read_pairs(path) for path in files)
-    if len(train) < params.dpo.batch_size:
-        raise DataError(f"{files[0]}: {len(train)} pairs, fewer than dpo.batch_size={params.dpo.batch_size}")
-    return train, test
-
-
-class History:
-    """Every step's stats, and the held-out ones at EVAL_POINTS steps. While a run can resume they are also appended
-    to ``file`` beside its checkpoints: a killed run's staged outputs are deleted, and a resumed run reads back the
-    steps before its checkpoint."""
-
-    def __init__(self, steps: int, evaluate: Callable[[], dict[str, float]], file: Path | None) -> None:
-        self.steps, self.evaluate, self.file = steps, evaluate, file
-        self.eval_every = max(1, steps // EVAL_POINTS)
-        self.rows: list[dict[str, float]] | None = None
-
-    def __call__(self, step: int, stats: dict[str, float]) -> None:
-        if self.rows is None:  # the first step of this process: a resumed run keeps the steps before it
-            earlier = self.file.read_text().splitlines() if step and self.file and self.file.exists() else []
-            self.rows = [row for row in map(json.loads, earlier) if row["step"] < step]
-            if self.file:
-                write_text("".join(json.dumps(row) + "\n" for row in self.rows), self.file)
-        row = {"step": step} | {f"train/{key}": value for key, value in stats.items()}
-        if (step + 1) % self.eval_every == 0 or step + 1 == self.steps:
-            row |= {f"eval/{key}": value for key, value in self.evaluate().items()}
-        self.rows.append(row)
-        if self.file:
-            with self.file.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
-
-    def write_curves(self, folder: Path) -> None:
-        from rlhf.rl.curves import open_curves  # dvclive's import is slow: only where curves are written
-
-        with open_curves(folder, resume=False) as live:
-            for row in self.rows or []:
-                for key, value in row.items():
-                    if key != "step":
-                        live.log_metric(key, value, plot=True)
-                live.next_step()
-
-
 def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     cfg = params.dpo
-    train_frame, test_frame = read_pair_files(params)
+    train_frame, test_frame = dpo.read_pair_files(cfg.pairs, cfg.batch_size)
     generator = seed_everything(params.seed)
     lm, tokenizer, what = load_initial_policy(params)
     if cfg.max_length > context_size(lm):
@@ -137,17 +123,17 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     train_pairs, test_pairs = (
         dpo.with_reference(dpo.encode_pairs(frame, tokenizer, cfg.max_length, str(path)), reference, tokenizer,
                            EVAL_BATCH, device, precision)
-        for frame, path in zip((train_frame, test_frame), PAIR_FILES[cfg.pairs][1:], strict=True))
+        for frame, path in zip((train_frame, test_frame), dpo.PAIR_FILES[cfg.pairs][1:], strict=True))
     del reference
 
     fingerprint = run_fingerprint(params) if cfg.checkpoint_every else None
-    history = History(dpo.total_steps(len(train_pairs), config),
-                      lambda: dpo.evaluate(lm, tokenizer, test_pairs, config, device, precision, EVAL_BATCH),
-                      STAGE.checkpoints / f"history-{fingerprint}.jsonl" if fingerprint else None)
+    history = dpo.History(dpo.total_steps(len(train_pairs), config),
+                          lambda: dpo.evaluate(lm, tokenizer, test_pairs, config, device, precision, EVAL_BATCH),
+                          STAGE.checkpoints / f"history-{fingerprint}.jsonl" if fingerprint else None)
     result = dpo.train(lm, tokenizer, train_pairs, config, device, generator, precision, fingerprint, history)
     held_out = {key: value for key, value in history.rows[-1].items() if key.startswith("eval/")}
 
-    save(lm, tokenizer, outputs[DPO_DIR])
+    save_pretrained(lm, tokenizer, outputs[DPO_DIR])
     history.write_curves(outputs[DPO_CURVES])
     tail = result.losses[-20:]
     write_json({"trained": True, "train_pairs": len(train_pairs),
@@ -160,14 +146,8 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
 def run_fingerprint(params: Params) -> str:
     """What determines a dpo run: the params the stage reads (not the checkpoint interval) and its inputs."""
     path, tokenizer, _ = initial_policy(params)
-    return checkpoint.fingerprint("dpo", params, [PAIR_FILES[params.dpo.pairs][0], path, tokenizer],
+    return checkpoint.fingerprint("dpo", params, [dpo.PAIR_FILES[params.dpo.pairs][0], path, tokenizer],
                                   exclude=("dpo.checkpoint_every",))
-
-
-def save(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    with atomic_path(folder) as tmp:
-        lm.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
 
 
 if __name__ == "__main__":

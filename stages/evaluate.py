@@ -30,7 +30,6 @@ from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import StagedOutputs, write_json, write_parquet, write_text
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import (
-    DPO_DIR,
     EVAL_DIR,
     EVAL_HISTOGRAM,
     EVAL_METRICS,
@@ -38,13 +37,12 @@ from rlhf.pipeline.paths import (
     EVAL_REPORT,
     EVAL_REPORT_DIR,
     EVAL_SAMPLES,
-    POLICY_DIR,
     PROMPTS_DIR,
     REWARD_DIR,
     SFT_DIR,
 )
-from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.registry import Output, Stage, policies
+from rlhf.pipeline.schema import EvaluateParams, Params
 from rlhf.train.precision import pick_device
 from rlhf.train.rng import seed_everything
 
@@ -53,7 +51,6 @@ log = logging.getLogger("evaluate")
 BEST_OF_N = (" After: for each prompt, the reward's best of {n} reference responses (the first of them the "
              "reference's own, so best of 1 is the reference), every judge scoring the chosen one; its KL is the "
              "analytic bound log N - (N-1)/N, not a sample estimate.")
-POLICIES = {"ppo": (POLICY_DIR, "PPO policy"), "dpo": (DPO_DIR, "DPO policy")}  # method -> its trained policy
 
 STAGE = Stage(
     __spec__.name,
@@ -61,9 +58,11 @@ STAGE = Stage(
             "model.allow_pickle", "sft.enabled", "reward.train", "reward.model", "reward.positive_label",
             "ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature",
             "evaluate"),
-    inputs=(PROMPTS_DIR, POLICY_DIR, DPO_DIR, SFT_DIR, REWARD_DIR),
+    inputs=(PROMPTS_DIR, SFT_DIR, REWARD_DIR),
     outputs=(Output(EVAL_DIR), Output(EVAL_REPORT_DIR, cache=False), Output(EVAL_METRICS, "metrics", cache=False)),
     out_of_memory="lower evaluate.batch_size",
+    section=EvaluateParams,
+    reads_policies=True,
 )
 
 
@@ -122,16 +121,16 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
 
 def after(params: Params) -> str:
     """What the report calls the evaluated policy."""
-    if params.method in POLICIES:
-        return POLICIES[params.method][1]
+    if params.method in policies():
+        return f"{params.method.upper()} policy"
     return f"best of {params.evaluate.best_of_n} reference samples"
 
 
 def load_policy(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel | None:
     """The trained policy of ``method`` (None for best_of_n, which trains none), checked against the tokenizer."""
-    if params.method not in POLICIES:
+    if params.method not in policies():
         return None
-    folder = POLICIES[params.method][0]
+    folder = policies()[params.method]
     if not (folder / "config.json").exists():
         raise ModelError(f"{folder}: no trained policy here (run the {params.method} stage)")
     policy = load_causal_lm(str(folder), params.model, what=str(folder))

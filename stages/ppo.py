@@ -51,6 +51,7 @@ from rlhf.pipeline.paths import (
     SFT_DIR,
     TRAIN_PROMPTS,
 )
+from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.pipeline.registry import Output, Stage
 from rlhf.pipeline.schema import Params
 from rlhf.rl.ppo_checkpoint import Checkpointing, find_checkpoint
@@ -79,6 +80,8 @@ STAGE = Stage(
              Output(PPO_METRICS, "metrics", cache=False)),
     out_of_memory="lower ppo.batch_size (generation holds the whole batch) or ppo.mini_batch_size (raising "
                   "ppo.gradient_accumulation_steps keeps the same batch)",
+    section=PpoParams,
+    policy=POLICY_DIR,
 )
 
 

@@ -25,7 +25,7 @@ from rlhf.pipeline.io import StagedOutputs, atomic_path, write_json
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import PAIRS_DIR, PREPARE_METRICS, PROMPTS_DIR, RAW
 from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.schema import Params, PrepareParams
 
 log = logging.getLogger("prepare")
 
@@ -35,6 +35,7 @@ STAGE = Stage(
             "model.trust_remote_code", "sft.enabled", "sft.base", "prepare"),
     inputs=(RAW,),
     outputs=(Output(PROMPTS_DIR), Output(PAIRS_DIR), Output(PREPARE_METRICS, "metrics", cache=False)),
+    section=PrepareParams,
 )
 
 

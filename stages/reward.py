@@ -14,13 +14,14 @@ import logging
 
 from rlhf.data.pairs import read_pairs
 from rlhf.eval.plots import histogram
+from rlhf.models.loading import save_pretrained
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
-from rlhf.pipeline.io import StagedOutputs, atomic_path, run_switchable, write_json, write_text
+from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import PAIRS_DIR, REWARD_DIR, REWARD_METRICS, REWARD_SCORES, SFT_DIR, TEST_PAIRS, TRAIN_PAIRS
 from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.schema import Params, RewardParams
 from rlhf.train.checkpoint import weights_bytes
 from rlhf.train.precision import pick_device
 from rlhf.train.reward_model import build, evaluate, train
@@ -39,6 +40,7 @@ STAGE = Stage(
                     "both columns); as a stage plot DVC would draw it a second time, against the row index"),
              Output(REWARD_METRICS, "metrics", cache=False)),
     out_of_memory="lower reward.batch_size or reward.max_length",
+    section=RewardParams,
 )
 
 
@@ -62,9 +64,7 @@ def train_reward(params: Params, outputs: StagedOutputs) -> None:
     model.to(device)
     result = train(model, tokenizer, train_pairs, params, device, generator)
     chosen, rejected = evaluate(model, tokenizer, test_pairs, params.reward.max_length, device)
-    with atomic_path(outputs[REWARD_DIR]) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    save_pretrained(model, tokenizer, outputs[REWARD_DIR])
     metrics = {"trained": True, "accuracy": round((chosen > rejected).float().mean().item(), 4),
                "margin_mean": round((chosen - rejected).mean().item(), 4),
                "chosen_score_mean": round(chosen.mean().item(), 4),

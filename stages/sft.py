@@ -16,13 +16,13 @@ import numpy as np
 import pandas as pd
 
 from rlhf.data.imdb import filter_reviews, load_imdb
-from rlhf.models.loading import check_vocab_match, load_tokenizer
+from rlhf.models.loading import check_vocab_match, load_tokenizer, save_pretrained
 from rlhf.pipeline.cli import run_stage
-from rlhf.pipeline.io import StagedOutputs, atomic_path, run_switchable, write_json, write_text
+from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import RAW, SFT_DIR, SFT_LOSS, SFT_METRICS
 from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.schema import Params, SftParams
 from rlhf.train.checkpoint import weights_bytes
 from rlhf.train.precision import pick_device
 from rlhf.train.rng import seed_everything
@@ -37,6 +37,7 @@ STAGE = Stage(
     outputs=(Output(SFT_DIR), Output(SFT_METRICS, "metrics", cache=False),
              Output(SFT_LOSS, "plots", cache=False, plot={"x": "step", "y": "loss"})),
     out_of_memory="lower sft.batch_size (and raise sft.gradient_accumulation_steps to keep the same batch)",
+    section=SftParams,
 )
 
 
@@ -68,9 +69,7 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     lm.to(device)
     result = train(lm, blocks, params, device, generator)
     ppl = perplexity(lm, held_out, EVAL_BATCH, device)
-    with atomic_path(outputs[SFT_DIR]) as tmp:
-        lm.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    save_pretrained(lm, tokenizer, outputs[SFT_DIR])
     tail, tokens = result.losses[-20:], len(result.losses) * tokens_per_step(s)
     write_json({"enabled": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
                 "tokens": tokens, "tokens_per_s": round(tokens / result.seconds, 1),

@@ -17,7 +17,6 @@ from rlhf.models.scorers import ClassifierScorer, VaderScorer, judge_name
 from rlhf.pipeline.errors import DataError, ModelError, ParamsError
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.paths import (
-    DPO_DIR,
     EVAL_HISTOGRAM,
     EVAL_METRICS,
     EVAL_PROMPTS,
@@ -26,6 +25,7 @@ from rlhf.pipeline.paths import (
     POLICY_DIR,
 )
 from rlhf.rl.rollout import response_lengths
+from stages.dpo import DPO_DIR
 from stages.evaluate import main
 
 N_PROMPTS = 6

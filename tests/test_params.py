@@ -13,7 +13,7 @@ import pytest
 from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.params import defaults, load_params, parse_params, stage_params
 from rlhf.pipeline.registry import stage, stage_names
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.schema import params_model
 from rlhf.pipeline.sections import declaration, dotted_keys
 from rlhf.pipeline.yaml_files import read_yaml
 
@@ -46,7 +46,7 @@ def test_classic_recipe_defaults() -> None:
 
 
 def test_every_key_is_documented() -> None:
-    undocumented = [key for key in dotted_keys(Params) if not declaration(Params, key).description]
+    undocumented = [key for key in dotted_keys(params_model()) if not declaration(params_model(), key).description]
     assert not undocumented
 
 
@@ -56,8 +56,8 @@ def test_stage_params_are_json_ready_and_honour_exclude() -> None:
     assert json.loads(json.dumps(ppo)) == ppo
     assert ppo["prepare.prompt_max_tokens"] == 8 and ppo["model.precision"] == "auto" and ppo["ppo.steps"] == 194
     assert "ppo.nan_policy" not in ppo and "ppo.checkpoint_every" in ppo and "reward.base" not in ppo
-    assert set(stage_params(p, "sft")) == {"seed", *(k for k in dotted_keys(Params) if k.startswith(("data.", "model.",
-                                                                                                    "sft.")))}
+    keys = dotted_keys(params_model())
+    assert set(stage_params(p, "sft")) == {"seed", *(k for k in keys if k.startswith(("data.", "model.", "sft.")))}
 
 
 def test_ppo_params_are_read_only_by_ppo_and_evaluate() -> None:
@@ -71,10 +71,10 @@ def test_ppo_params_are_read_only_by_ppo_and_evaluate() -> None:
 
 
 def test_every_entry_a_stage_reads_is_a_param() -> None:
-    sections = set(Params.model_fields)
+    sections = set(params_model().model_fields)
     for name in stage_names():
         for entry in stage(name).params:
-            assert entry in dotted_keys(Params) or entry in sections, f"stage {name}: {entry} is no param"
+            assert entry in dotted_keys(params_model()) or entry in sections, f"stage {name}: {entry} is no param"
 
 
 @pytest.mark.parametrize(

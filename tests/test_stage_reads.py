@@ -12,10 +12,10 @@ from conftest import set_params, write_prompts
 
 from rlhf.pipeline.registry import stage as stage_record
 from rlhf.pipeline.registry import stage_names
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.schema import Params, params_model
 from rlhf.pipeline.sections import Section, dotted_keys
 
-SECTIONS = {field.annotation: name for name, field in Params.model_fields.items()}
+SECTIONS = {field.annotation: name for name, field in params_model().model_fields.items()}
 TINY = {"prepare.train_prompts": 16, "prepare.eval_prompts": 8, "prepare.train_pairs": 32, "prepare.test_pairs": 8,
         "ppo.steps": 2, "ppo.batch_size": 4, "ppo.mini_batch_size": 2, "ppo.checkpoint_every": 1,
         "ppo.response_min_tokens": 2, "ppo.response_max_tokens": 6, "evaluate.batch_size": 8,
@@ -27,7 +27,7 @@ TRAINED = {"sft.enabled": True, "sft.n_layer": 1, "sft.n_embd": 32, "sft.n_head"
 
 
 def declared(stage: str) -> set[str]:
-    return {key for entry in stage_record(stage).params for key in dotted_keys(Params)
+    return {key for entry in stage_record(stage).params for key in dotted_keys(params_model())
             if key == entry or key.startswith(entry + ".")}
 
 

@@ -31,7 +31,7 @@ def _output(output: Output) -> list[str]:
 
 def render_stage(record: Stage) -> list[str]:
     lines = [f"  {record.name}:", f"    cmd: python -m {record.module}", "    deps:"]
-    lines += [f"      - {dep}" for dep in [*record.code, *(p.as_posix() for p in record.inputs)]]
+    lines += [f"      - {dep}" for dep in [*record.code, *(p.as_posix() for p in record.deps)]]
     lines += ["    params:", *(f"      - {key}" for key in record.params)]
     for kind in ("outs", "metrics", "plots"):
         outputs = [output for output in record.outputs if output.kind == kind]

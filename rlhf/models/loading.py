@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from transformers import (
 from transformers.activations import ACT2FN, NewGELUActivation
 
 from rlhf.pipeline.errors import ModelError
+from rlhf.pipeline.io import atomic_path
 from rlhf.pipeline.paths import SFT_DIR, is_local, unreachable_hub_id
 from rlhf.pipeline.schema import ModelParams, Params
 
@@ -221,3 +223,14 @@ def context_size(lm: PreTrainedModel) -> int:
     """How many positions the model can attend over (GPT-2: n_positions; most others: max_position_embeddings)."""
     config = lm.config
     return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 10**9
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path,
+                    extra: Callable[[Path], None] | None = None) -> None:
+    """``folder``, replaced in one rename: the model and its tokenizer, loadable by from_pretrained, and whatever
+    ``extra(tmp)`` writes beside them."""
+    with atomic_path(folder) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if extra is not None:
+            extra(tmp)

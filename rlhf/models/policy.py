@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.pipeline.io import atomic_path
+from rlhf.models.loading import save_pretrained
 from rlhf.train.precision import cuda_matmul_precision, full_precision, head_precision
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -76,10 +76,7 @@ class PolicyWithValueHead(nn.Module):
 def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
     """``folder``, replaced in one rename: the LM loadable by AutoModelForCausalLM, its tokenizer, and the value head
     (if any) beside them."""
-    with atomic_path(folder) as tmp:
-        policy.lm.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        policy.save_value_head(tmp)
+    save_pretrained(policy.lm, tokenizer, folder, policy.save_value_head)
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -13,14 +13,14 @@ from pathlib import Path
 from rlhf.pipeline.errors import PipelineError, is_disk_full, is_out_of_memory
 from rlhf.pipeline.paths import checkpoints, output_path
 from rlhf.pipeline.registry import Stage, stage
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.schema import params_model
 from rlhf.pipeline.sections import describe_params
 
 
 def stage_help(record: Stage, doc: str) -> str:
     """``--help``: the script's docstring (what it reads and writes) and the params the stage reads, each with its
     doc."""
-    lines = [describe_params(Params, entry) for entry in record.params]
+    lines = [describe_params(params_model(), entry) for entry in record.params]
     params = "\n".join(textwrap.fill(text, 119, initial_indent=f"  {entry:<28}", subsequent_indent=" " * 30)
                        for entry, text in zip(record.params, lines, strict=True))
     return (f"usage: python -m {record.module} [-h]\n\n{doc.strip()}\n\n"

@@ -9,7 +9,7 @@ import annotated_types
 from pydantic.fields import FieldInfo
 
 from rlhf.pipeline.errors import ParamsError
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.schema import params_model
 from rlhf.pipeline.sections import Rule, declaration
 from rlhf.pipeline.yaml_files import parse_yaml
 
@@ -49,7 +49,7 @@ def message(error: dict[str, Any]) -> str:
     loc, value, kind = error["loc"], error["input"], error["type"]
     names = [part for part in loc if isinstance(part, str)]
     key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-    field = declaration(Params, ".".join(names)) if names else None
+    field = declaration(params_model(), ".".join(names)) if names else None
     hint = ""
     if kind == "value_error" and isinstance(error["ctx"]["error"], Rule):
         rule_error = error["ctx"]["error"]

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.messages import message
 from rlhf.pipeline.registry import ROOT, stage
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.schema import Params, params_model
 from rlhf.pipeline.sections import Section, section_of
 from rlhf.pipeline.yaml_files import read_yaml
 
@@ -44,9 +44,10 @@ def _check_keys(raw: Any, model: type[Section], prefix: str = "") -> None:
 def parse_params(raw: Any, root: Path | str = ".") -> Params:
     """Validate a params mapping (as read from params.yaml) into ``Params``; relative paths resolve against root."""
     raw = {} if raw is None else raw
-    _check_keys(raw, Params)
+    model = params_model()
+    _check_keys(raw, model)
     try:
-        return Params.model_validate(raw, context={"root": Path(root)})
+        return model.model_validate(raw, context={"root": Path(root)})
     except ValidationError as e:
         raise ParamsError(message(e.errors()[0])) from None
 

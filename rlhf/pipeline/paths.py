@@ -1,7 +1,8 @@
-"""Every file and folder the stages read or write, spelled once, and the one rule for "is this a local path?".
+"""The files and folders the stages share, spelled once, and the one rule for "is this a local path?". A stage's
+outputs that only it and its record name (models/dpo, metrics/dpo.json) are spelled in its script instead.
 
-Paths are relative to the project root, where DVC runs the stages; dvc.yaml names the same ones
-(tests/test_layout.py checks that it names no other).
+Paths are relative to the project root, where DVC runs the stages; dvc.yaml, written from the stage records, names
+the same ones.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ CHECKPOINT_PREFIX = "step-"  # CHECKPOINTS_DIR/<stage>/step-NNNNNN: one checkpoi
 SFT_DIR = Path("models/sft")
 REWARD_DIR = Path("models/reward")
 POLICY_DIR = Path("models/policy")
-DPO_DIR = Path("models/dpo")
 
 PREPARE_METRICS = Path("metrics/prepare.json")
 SFT_METRICS = Path("metrics/sft.json")
@@ -38,8 +38,6 @@ REWARD_METRICS = Path("metrics/reward.json")
 REWARD_SCORES = Path("metrics/reward/scores.csv")
 PPO_METRICS = Path("metrics/ppo.json")
 PPO_CURVES = Path("metrics/ppo")  # DVCLive's folder
-DPO_METRICS = Path("metrics/dpo.json")
-DPO_CURVES = Path("metrics/dpo")  # DVCLive's folder
 EVAL_METRICS = Path("metrics/eval.json")
 EVAL_REPORT_DIR = Path("metrics/evaluate")
 EVAL_REPORT = EVAL_REPORT_DIR / "report.md"

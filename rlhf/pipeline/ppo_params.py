@@ -1,9 +1,9 @@
 """The ``ppo:`` params section: PPO's schedule, KL control, advantage estimator (rlhf/rl/estimators.py), losses,
-score shaping and sampling. Declared like every section (rlhf/pipeline/schema.py); its defaults are in params.yaml."""
+score shaping and sampling. The ppo stage's own section (its record names it); its defaults are in params.yaml."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -121,6 +121,13 @@ class PpoParams(Section):
         if self.value_model == "separate" and not estimator.trains_critic:
             raise Rule("value_model", f"must be 'shared' with ppo.advantage_estimator {name}, which trains no "
                                       "critic (a separate critic would never be used)", self.value_model)
+
+    def check_with(self, params: Any) -> None:
+        longest = params.prepare.prompt_max_tokens + self.response_max_tokens
+        s = params.sft
+        if s.enabled and s.base == "scratch" and longest > s.n_positions:
+            raise Rule("ppo.response_max_tokens", f"prompt_max_tokens + response_max_tokens ({longest}) must fit "
+                                                  f"sft.n_positions ({s.n_positions})", self.response_max_tokens)
 
     @property
     def prompts_per_step(self) -> int:

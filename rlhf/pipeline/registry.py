@@ -1,10 +1,14 @@
 """What a pipeline stage is, declared once per stage in its own script (``STAGE = Stage(...)`` in stages/<name>.py).
 
 A stage's name is its script's name. Its record says which params it reads, which files it reads besides its code,
-what it writes (and how DVC keeps each output), and what to lower when it runs out of GPU memory. Everything else
-follows from the record: dvc.yaml's stages (``python -m tools.dvc_yaml`` writes them, a test checks they are current),
-the code a stage depends on (the modules its script imports, found by reading the imports), ``--help``, the staged
-outputs, the one-line errors, the checkpoint folder and the checkpoint fingerprints.
+what it writes (and how DVC keeps each output), what to lower when it runs out of GPU memory, the params section it
+owns (``params.yaml``'s section of its name) and, for a stage that trains the evaluated policy, which output that
+policy is (the stage's name is then a value of ``method``). Everything else follows from the records: the params
+schema's sections and methods (rlhf/pipeline/schema.py), dvc.yaml's stages (``python -m tools.dvc_yaml`` writes them,
+a test checks they are current), the code a stage depends on (the modules its script imports, found by reading the
+imports), the policies evaluate reads, ``--help``, the staged outputs, the one-line errors, the checkpoint folder and
+the checkpoint fingerprints. Adding a stage is adding its script (and its library code, its params.yaml section and
+its docs): nothing else names it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from rlhf.pipeline.paths import CHECKPOINTS_DIR
+from rlhf.pipeline.sections import Section
 
 ROOT = Path(__file__).resolve().parents[2]  # the project: stages/ and rlhf/ live here
 CODE_PACKAGES = ("rlhf", "stages")  # the project's own code, the part of a stage's code DVC watches
@@ -38,14 +43,23 @@ class Output:
 @dataclass(frozen=True)
 class Stage:
     """A DVC stage: its script's module (``__spec__.name``, so the name is the file's), the params it reads (dotted
-    keys, or a section for all of its keys), the files it reads besides its code, its outputs, and the advice printed
-    when it runs out of GPU memory."""
+    keys, or a section for all of its keys), the files it reads besides its code, its outputs, the advice printed
+    when it runs out of GPU memory, its own params section (a pydantic model, ``params.<name>``), the output that is
+    the policy of ``method=<name>`` for a stage that trains one, and whether it reads every such policy
+    (evaluate)."""
 
     module: str
     params: tuple[str, ...]
     inputs: tuple[Path, ...]
     outputs: tuple[Output, ...]
     out_of_memory: str | None = None
+    section: type[Section] | None = None
+    policy: Path | None = None
+    reads_policies: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and self.policy not in self.output_paths:
+            raise ValueError(f"{self.module}: policy {self.policy} is not one of its outputs")
 
     @property
     def name(self) -> str:
@@ -55,6 +69,11 @@ class Stage:
     def output_paths(self) -> tuple[Path, ...]:
         """Every output, replaced together when the stage completes (rlhf/pipeline/io.py's StagedOutputs)."""
         return tuple(output.path for output in self.outputs)
+
+    @property
+    def deps(self) -> tuple[Path, ...]:
+        """The files it reads besides its code: its inputs and, for a stage that reads policies, every policy."""
+        return self.inputs + (tuple(policies().values()) if self.reads_policies else ())
 
     @property
     def checkpoints(self) -> Path:
@@ -72,7 +91,9 @@ def stage_names() -> list[str]:
     """Every script in stages/, in pipeline order: a stage comes after the stages whose outputs it reads."""
     names = sorted(path.stem for path in (ROOT / "stages").glob("*.py") if not path.stem.startswith("_"))
     producer = {output: name for name in names for output in stage(name).output_paths}
-    after = {name: {producer[p] for p in stage(name).inputs if p in producer} for name in names}
+    trainers = {name for name in names if stage(name).policy is not None}
+    after = {name: {producer[p] for p in stage(name).inputs if p in producer}
+             | (trainers if stage(name).reads_policies else set()) for name in names}
     ordered: list[str] = []
     while len(ordered) < len(names):
         ordered.append(next(name for name in names if name not in ordered and after[name] <= set(ordered)))
@@ -88,6 +109,12 @@ def stage(name: str) -> Stage:
     if getattr(getattr(module, "__spec__", None), "name", None) != f"stages.{name}":
         module = importlib.import_module(f"stages.{name}")
     return module.STAGE
+
+
+def policies() -> dict[str, Path]:
+    """{method: the policy its stage trains}, for every stage that trains one, in pipeline order (ppo: models/policy,
+    dpo: models/dpo)."""
+    return {name: record.policy for name in stage_names() if (record := stage(name)).policy is not None}
 
 
 def _imports(path: Path) -> set[str]:

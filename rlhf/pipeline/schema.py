@@ -1,4 +1,6 @@
-"""The params, declared once: each key's type, constraint and doc, and the rules between keys. Defaults live in one
+"""The params, declared once: each key's type, constraint and doc, and the rules between keys. The keys every stage
+shares and the sections of the stages whose libraries take them are declared here; a stage's record names its own
+section (``Stage(section=...)``), and ``params_model()`` puts them together, in pipeline order. Defaults live in one
 place only, the project's params.yaml (every key must be written there: it is DVC's cache key), so nothing here has a
 default; ``rlhf.pipeline.params.defaults()`` reads them for tests and benchmarks.
 
@@ -7,15 +9,17 @@ A broken rule is a ``Rule`` naming the key; rlhf/pipeline/messages.py turns it i
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, create_model, model_validator
 
-from rlhf.pipeline.dpo_params import DpoParams
 from rlhf.pipeline.paths import SPLITS, is_local
-from rlhf.pipeline.ppo_params import PpoParams
+from rlhf.pipeline.registry import policies, stage, stage_names
 from rlhf.pipeline.sections import PathOrId, Rule, Section, at_most, judge_name
+
+BEST_OF_N = "best_of_n"  # the method that trains nothing: evaluate samples the reference N times
 
 
 class DataParams(Section):
@@ -157,6 +161,11 @@ class RewardParams(Section):
     """Optimizer steps per resumable checkpoint in data/checkpoints/reward/ (a rerun after a kill resumes from the
     newest); 0 or null: off."""
 
+    def check_with(self, params: Any) -> None:
+        if self.train and self.base == "sft" and not params.sft.enabled:
+            raise Rule("reward.base", "is 'sft' but sft.enabled is false (enable sft or name another base)",
+                       self.base)
+
 
 class EvaluateParams(Section):
     judges: list[PathOrId]
@@ -188,20 +197,17 @@ class EvaluateParams(Section):
 
 
 class Params(Section):
+    """The whole of params.yaml: the keys every stage shares here, and one section per stage that declares one
+    (``Stage(section=...)``), added by ``params_model()``."""
+
     seed: int = Field(ge=0)
     """Seed of every random generator (each output derives its own from it)."""
-    method: Literal["ppo", "dpo", "best_of_n"]
-    """How the evaluated policy is made from the initial one: ppo (RL against the reward scorer, the ppo stage), dpo
-    (DPO or IPO on preference pairs, the dpo stage) or best_of_n (no training: the reward scorer's best of
+    method: str
+    """How the evaluated policy is made from the initial one: the name of the stage that trains it (ppo: RL against
+    the reward scorer; dpo: DPO or IPO on preference pairs) or best_of_n (no training: the reward scorer's best of
     evaluate.best_of_n reference samples). The other methods' stages write only a marker."""
     data: DataParams
     model: ModelParams
-    prepare: PrepareParams
-    sft: SftParams
-    reward: RewardParams
-    ppo: PpoParams
-    dpo: DpoParams
-    evaluate: EvaluateParams
 
     @property
     def tokenizer_path(self) -> str:
@@ -214,13 +220,21 @@ class Params(Section):
 
     @model_validator(mode="after")
     def _rules(self) -> Params:
-        r, s = self.reward, self.sft
-        if r.train and r.base == "sft" and not s.enabled:
-            raise Rule("reward.base", "is 'sft' but sft.enabled is false (enable sft or name another base)", r.base)
-        longest = self.prepare.prompt_max_tokens + self.ppo.response_max_tokens
-        if s.enabled and s.base == "scratch" and longest > s.n_positions:
-            raise Rule("ppo.response_max_tokens", f"prompt_max_tokens + response_max_tokens ({longest}) must fit "
-                                                  f"sft.n_positions ({s.n_positions})", self.ppo.response_max_tokens)
-        if s.enabled and s.base == "scratch" and self.dpo.max_length > s.n_positions:
-            raise Rule("dpo.max_length", f"must fit sft.n_positions ({s.n_positions})", self.dpo.max_length)
+        if self.method not in methods():
+            raise Rule("method", "must be one of " + ", ".join(methods()), self.method)
+        for name in type(self).model_fields:
+            if isinstance(section := getattr(self, name), Section):
+                section.check_with(self)
         return self
+
+
+def methods() -> list[str]:
+    """The values of ``method``: each stage that trains a policy, and best_of_n (evaluate alone)."""
+    return [*policies(), BEST_OF_N]
+
+
+@functools.cache
+def params_model() -> type[Params]:
+    """``Params`` with every stage's own section, in pipeline order (imports the stage scripts)."""
+    sections = {name: (record.section, ...) for name in stage_names() if (record := stage(name)).section}
+    return create_model("Params", __base__=Params, __doc__=Params.__doc__, **sections)

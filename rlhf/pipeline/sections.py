@@ -45,6 +45,10 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
                               use_attribute_docstrings=True)
 
+    def check_with(self, params: Any) -> None:
+        """The rules between this section's keys and other sections' (``params``: the whole, validated ``Params``);
+        a broken one raises ``Rule`` with the key from the root ('dpo.max_length')."""
+
 
 def at_most(model: BaseModel, key: str, limit: str, section: str) -> None:
     if getattr(model, key) > getattr(model, limit):

@@ -16,16 +16,28 @@ A batch holds each pair's chosen and rejected response as two rows of one forwar
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import pandas as pd
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf.data.pairs import read_pairs
 from rlhf.models.policy import disable_dropout
 from rlhf.pipeline.errors import DataError
+from rlhf.pipeline.io import DISABLED_MARKER, write_text
+from rlhf.pipeline.paths import (
+    PAIRS_DIR,
+    SAMPLED_PAIRS_DIR,
+    SAMPLED_TEST_PAIRS,
+    SAMPLED_TRAIN_PAIRS,
+    TEST_PAIRS,
+    TRAIN_PAIRS,
+)
 from rlhf.rl import preference as pref
 from rlhf.rl.rollout import Samples, forward, left_pad
 from rlhf.train.batches import ShuffledBatches
@@ -33,6 +45,9 @@ from rlhf.train.fit import FitPlan, FitResult, fit
 from rlhf.train.precision import autocast
 
 SECTION = "dpo"  # the params section: messages name its keys, checkpoints live in data/checkpoints/dpo/
+PAIR_FILES = {"prepare": (PAIRS_DIR, TRAIN_PAIRS, TEST_PAIRS),
+              "sampled": (SAMPLED_PAIRS_DIR, SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS)}  # dpo.pairs -> its files
+EVAL_POINTS = 10  # held-out evaluations a run, evenly spaced (the last after the last step)
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,55 @@ class PairSet:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+
+def read_pair_files(source: str, batch_size: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The (train, test) pairs of ``source`` (dpo.pairs), checked before any model loads."""
+    folder, *files = PAIR_FILES[source]
+    if (folder / DISABLED_MARKER).exists():
+        raise DataError(f"{folder}: holds no pairs (run the sample_pairs stage with method dpo and dpo.pairs "
+                        f"{source})")
+    train, test = (read_pairs(path) for path in files)
+    if len(train) < batch_size:
+        raise DataError(f"{files[0]}: {len(train)} pairs, fewer than {SECTION}.batch_size={batch_size}")
+    return train, test
+
+
+
+
+class History:
+    """Every step's stats, and the held-out ones at EVAL_POINTS steps. While a run can resume they are also appended
+    to ``file`` beside its checkpoints: a killed run's staged outputs are deleted, and a resumed run reads back the
+    steps before its checkpoint."""
+
+    def __init__(self, steps: int, evaluate: Callable[[], dict[str, float]], file: Path | None) -> None:
+        self.steps, self.evaluate, self.file = steps, evaluate, file
+        self.eval_every = max(1, steps // EVAL_POINTS)
+        self.rows: list[dict[str, float]] | None = None
+
+    def __call__(self, step: int, stats: dict[str, float]) -> None:
+        if self.rows is None:  # the first step of this process: a resumed run keeps the steps before it
+            earlier = self.file.read_text().splitlines() if step and self.file and self.file.exists() else []
+            self.rows = [row for row in map(json.loads, earlier) if row["step"] < step]
+            if self.file:
+                write_text("".join(json.dumps(row) + "\n" for row in self.rows), self.file)
+        row = {"step": step} | {f"train/{key}": value for key, value in stats.items()}
+        if (step + 1) % self.eval_every == 0 or step + 1 == self.steps:
+            row |= {f"eval/{key}": value for key, value in self.evaluate().items()}
+        self.rows.append(row)
+        if self.file:
+            with self.file.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def write_curves(self, folder: Path) -> None:
+        from rlhf.rl.curves import open_curves  # dvclive's import is slow: only where curves are written
+
+        with open_curves(folder, resume=False) as live:
+            for row in self.rows or []:
+                for key, value in row.items():
+                    if key != "step":
+                        live.log_metric(key, value, plot=True)
+                live.next_step()
 
 
 def _token_ids(texts: list[str], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
