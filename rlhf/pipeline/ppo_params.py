@@ -36,13 +36,12 @@ class PpoParams(Section):
     """Adaptive KL controller's target KL (nats per sequence)."""
     horizon: float = Field(gt=0)
     """Adaptive KL controller's horizon, in samples."""
-    advantage_estimator: Literal[tuple(ESTIMATORS)]  # type: ignore[valid-type]
-    """gae: PPO's value head and GAE; rloo (leave-one-out baseline over each prompt's samples), grpo (reward
-    normalised within each prompt's samples), reinforce_pp (REINFORCE++: discounted returns whitened over the batch):
-    critic-free, no value head (rlhf/rl/estimators.py)."""
+    advantage_estimator: Literal[tuple(ESTIMATORS)] = Field(  # type: ignore[valid-type]
+        description="How advantages are computed (R: a sample's score plus its summed KL penalty; "
+                    "rlhf/rl/estimators.py). "
+                    + ". ".join(f"{name}: {e.summary}" for name, e in ESTIMATORS.items()) + ".")
     samples_per_prompt: int = Field(gt=0)
-    """k: responses sampled per prompt in a batch (>= 2 for rloo and grpo, whose baseline is the prompt's other
-    samples)."""
+    """k: responses sampled per prompt in a batch (at least what the estimator's baseline needs)."""
     kl_loss_coef: float = Field(ge=0)
     """grpo only: weight of GRPO's k3 KL(policy || reference) loss term (the paper: 0.04, with init_kl_coef 0 and
     adap_kl_ctrl false); 0: off."""

@@ -16,10 +16,12 @@ CRITIC_KEYS = ("value_model", "vf_coef", "cliprange_value")  # the ppo.* keys on
 
 @dataclass(frozen=True)
 class Estimator:
-    """``trains_critic``: learns a value head (GAE); ``min_samples_per_prompt``: the k its baseline needs (the
-    prompt's other samples); ``kl_loss``: accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``ignores``: the
-    ppo.* keys it leaves unused besides the critic's."""
+    """``doc``: what the advantage is, and whose (``--help`` and the params docs list it); ``trains_critic``: learns a
+    value head (GAE); ``min_samples_per_prompt``: the k its baseline needs (the prompt's other samples); ``kl_loss``:
+    accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``ignores``: the ppo.* keys it leaves unused besides the
+    critic's."""
 
+    doc: str
     trains_critic: bool
     min_samples_per_prompt: int = 1
     kl_loss: bool = False
@@ -29,15 +31,21 @@ class Estimator:
     def unused_keys(self) -> tuple[str, ...]:
         return (() if self.trains_critic else CRITIC_KEYS) + self.ignores
 
+    @property
+    def summary(self) -> str:
+        """One line for the params docs: the doc and the rules."""
+        rules = [f"k >= {self.min_samples_per_prompt}"] if self.min_samples_per_prompt > 1 else []
+        rules += ["kl_loss_coef allowed"] if self.kl_loss else []
+        return f"{self.doc}; {'value head' if self.trains_critic else 'no critic'}" + "".join(f", {r}" for r in rules)
+
 
 ESTIMATORS = {
-    # PPO's value head and GAE (Schulman et al. 2016)
-    "gae": Estimator(trains_critic=True),
-    # leave-one-out baseline over each prompt's k samples (Ahmadian et al. 2024)
-    "rloo": Estimator(trains_critic=False, min_samples_per_prompt=2, ignores=("gamma", "lam", "whiten_rewards")),
-    # reward normalised within each prompt's k samples, optional KL loss term (Shao et al. 2024)
-    "grpo": Estimator(trains_critic=False, min_samples_per_prompt=2, kl_loss=True,
+    "gae": Estimator("PPO's value head and GAE (Schulman et al. 2016)", trains_critic=True),
+    "rloo": Estimator("R_i minus the mean R of the prompt's other k - 1 samples (Ahmadian et al. 2024)",
+                      trains_critic=False, min_samples_per_prompt=2, ignores=("gamma", "lam", "whiten_rewards")),
+    "grpo": Estimator("(R_i - mean of the prompt's k samples) / (their std + 1e-4) (Shao et al. 2024)",
+                      trains_critic=False, min_samples_per_prompt=2, kl_loss=True,
                       ignores=("gamma", "lam", "whiten_rewards")),
-    # discounted returns whitened over the batch (Hu 2025)
-    "reinforce_pp": Estimator(trains_critic=False, ignores=("lam", "whiten_rewards")),
+    "reinforce_pp": Estimator("the discounted return-to-go of the per-token rewards, whitened over the batch "
+                              "(REINFORCE++, Hu 2025)", trains_critic=False, ignores=("lam", "whiten_rewards")),
 }
