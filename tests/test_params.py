@@ -16,6 +16,7 @@ from rlhf.pipeline.registry import stage, stage_names
 from rlhf.pipeline.schema import params_model
 from rlhf.pipeline.sections import declaration, dotted_keys
 from rlhf.pipeline.yaml_files import read_yaml
+from rlhf.rl.estimators import ESTIMATORS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -295,8 +296,7 @@ def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
     ({"advantage_estimator": "rloo", "samples_per_prompt": 4, "value_model": "separate"},
      "ppo.value_model: must be 'shared' with ppo.advantage_estimator rloo, which trains no critic (a separate critic "
      "would never be used) (got 'separate')"),
-    ({"advantage_estimator": "ppo"}, "ppo.advantage_estimator: must be one of gae, rloo, grpo, reinforce_pp (got "
-                                     "'ppo')"),
+    ({"advantage_estimator": "ppo"}, f"ppo.advantage_estimator: must be one of {', '.join(ESTIMATORS)} (got 'ppo')"),
 ])
 def test_estimator_rules_name_the_key(raw: dict, updates: dict, message: str) -> None:
     raw["ppo"].update(updates)
