@@ -137,6 +137,30 @@ def test_grpo_group_of_equal_rewards_gets_zero_advantages() -> None:
     assert (got[:3] == 0).all() and (got[3:] != 0).all() and torch.isfinite(got).all()
 
 
+# --- Dr. GRPO --------------------------------------------------------------------------------------------------------
+
+
+def dr_grpo_reference(r: list[float], k: int) -> list[float]:
+    """Liu et al. 2025, section 3.1: A_i = R(q, o_i) - mean({R(q, o_1), ..., R(q, o_G)}), no std."""
+    advantages = []
+    for prompt in range(len(r) // k):
+        group = r[prompt * k: (prompt + 1) * k]
+        advantages += [x - sum(group) / k for x in group]
+    return advantages
+
+
+def test_dr_grpo_matches_the_paper_and_is_grpo_times_the_group_std(batch) -> None:
+    k, mask, g = batch
+    r = torch.randn(len(mask), generator=g, dtype=torch.float64) * 3
+    got = adv.dr_grpo_advantages(r, mask, k)
+    assert got.dtype == torch.float64 and got.shape == mask.shape
+    assert_per_sample_on_real_tokens(got, mask, dr_grpo_reference(r.tolist(), k))
+    std = adv.group_view(r, k).std(1).repeat_interleave(k).unsqueeze(1)
+    torch.testing.assert_close(got, adv.grpo_advantages(r, mask, k, eps=0.0) * std)
+    scaled = adv.dr_grpo_advantages(r * 7, mask, k)  # no std: the advantages keep the rewards' scale
+    torch.testing.assert_close(scaled, 7 * got)
+
+
 # --- REINFORCE++ -----------------------------------------------------------------------------------------------------
 
 
@@ -192,14 +216,14 @@ def test_reinforce_pp_return_of_the_first_token_is_score_plus_kl_penalty() -> No
 # --- errors ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("estimator", [adv.rloo_advantages, adv.grpo_advantages])
+@pytest.mark.parametrize("estimator", [adv.rloo_advantages, adv.grpo_advantages, adv.dr_grpo_advantages])
 @pytest.mark.parametrize("k", [1, 0])
 def test_group_estimators_need_two_samples_per_prompt(estimator, k: int) -> None:
     with pytest.raises(ValueError, match=rf"{estimator.__name__}: k = {k} samples per prompt; .* needs k >= 2"):
         estimator(torch.zeros(4), torch.ones(4, 3), k)
 
 
-@pytest.mark.parametrize("estimator", [adv.rloo_advantages, adv.grpo_advantages])
+@pytest.mark.parametrize("estimator", [adv.rloo_advantages, adv.grpo_advantages, adv.dr_grpo_advantages])
 def test_group_estimators_need_whole_groups(estimator) -> None:
     with pytest.raises(ValueError, match="group_view: a batch of 5 samples is not a multiple of k = 2 samples"):
         estimator(torch.zeros(5), torch.ones(5, 3), 2)
@@ -276,6 +300,9 @@ def test_estimate_advantages_follows_each_paper_from_compute_rewards_output(batc
     advantages, returns = adv.estimate_advantages("grpo", rewards, mask, None, k, 1.0, 0.95)
     assert returns is None
     assert_per_sample_on_real_tokens(advantages, mask, grpo_reference(R, k, 1e-4))
+    advantages, returns = adv.estimate_advantages("dr_grpo", rewards, mask, None, k, 1.0, 0.95)
+    assert returns is None
+    assert_per_sample_on_real_tokens(advantages, mask, dr_grpo_reference(R, k))
     advantages, returns = adv.estimate_advantages("reinforce_pp", rewards, mask, None, k, 0.9, 0.95)
     expected_returns, expected_advantages = reinforce_pp_reference(rewards, mask, 0.9)
     for i in range(len(mask)):

@@ -109,6 +109,20 @@ def grpo_advantages(sequence_rewards: torch.Tensor, mask: torch.Tensor, k: int, 
     return _on_real_tokens((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps), mask)
 
 
+def dr_grpo_advantages(sequence_rewards: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Dr. GRPO ("GRPO done right", Liu et al. 2025, arXiv:2503.20783, section 3.1): GRPO's advantage without the
+    division by the group's std, which weights prompts whose k rewards barely differ (too easy or too hard) the most,
+
+        A_i = r_i - mean_group(r),
+
+    on every real token of sample i, 0 on padding; (B,) ``sequence_rewards``, (B, T) ``mask`` -> (B, T) advantages.
+    The paper's other change, no 1/|o_i| per response in the loss, is already how every estimator's loss is taken here
+    (policy_loss: one token mean over the whole mini-batch). Samples grouped as in group_view; k >= 2.
+    """
+    r = _groups(sequence_rewards, mask, k, "dr_grpo_advantages")
+    return _on_real_tokens(r - r.mean(1, keepdim=True), mask)
+
+
 def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor,
                             gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262), the paper's plain version: per-token ``rewards`` (the score on the

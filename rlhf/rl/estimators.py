@@ -46,6 +46,9 @@ ESTIMATORS = {
     "grpo": Estimator("(R_i - mean of the prompt's k samples) / (their std + 1e-4) (Shao et al. 2024)",
                       trains_critic=False, min_samples_per_prompt=2, kl_loss=True,
                       ignores=("gamma", "lam", "whiten_rewards")),
+    "dr_grpo": Estimator("R_i - mean of the prompt's k samples: GRPO without the std (Dr. GRPO, Liu et al. 2025)",
+                         trains_critic=False, min_samples_per_prompt=2, kl_loss=True,
+                         ignores=("gamma", "lam", "whiten_rewards")),
     "reinforce_pp": Estimator("the discounted return-to-go of the per-token rewards, whitened over the batch "
                               "(REINFORCE++, Hu 2025)", trains_critic=False, ignores=("lam", "whiten_rewards")),
 }
