@@ -100,3 +100,67 @@ def test_no_import_circle() -> None:
 def test_no_module_over_350_lines() -> None:
     long = {name: n for name in module_graph() if (n := len((ROOT / name).read_text().splitlines())) > 350}
     assert not long, long
+
+
+TOY_STAGE = '''"""toy: a new way to train the policy, added by its script alone (and its params.yaml section)."""
+from pathlib import Path
+
+from pydantic import Field
+
+from rlhf.pipeline.paths import SFT_DIR
+from rlhf.pipeline.registry import Output, Stage
+from rlhf.pipeline.sections import Section
+
+TOY_DIR = Path("models/toy")
+
+
+class ToyParams(Section):
+    steps: int = Field(gt=0)
+    """Optimizer steps."""
+
+
+STAGE = Stage(__spec__.name, params=("seed", "method", "toy"), inputs=(SFT_DIR,), outputs=(Output(TOY_DIR),),
+              section=ToyParams, policy=TOY_DIR)
+'''
+
+TOY_CHECKS = '''
+import sys
+from rlhf.pipeline.errors import ParamsError
+from rlhf.pipeline.params import parse_params
+from rlhf.pipeline.registry import stage
+from rlhf.pipeline.schema import methods
+from rlhf.pipeline.yaml_files import read_yaml
+from tools.dvc_yaml import render
+
+raw = read_yaml("params.yaml")
+assert parse_params(raw | {"method": "toy"}).toy.steps == 3
+assert methods() == ["ppo", "dpo", "toy", "best_of_n"], methods()
+for bad, message in (({"toy": {"steps": 0}}, "params.yaml: toy.steps: must be > 0 (got 0)"),
+                     ({"toy": None}, "params.yaml: toy: must be a mapping (got None)")):
+    try:
+        parse_params(raw | bad)
+    except ParamsError as e:
+        assert str(e) == message, str(e)
+    else:
+        sys.exit(f"{bad} passed")
+assert stage("evaluate").deps[-1].as_posix() == "models/toy", stage("evaluate").deps
+dvc_yaml = render(open("dvc.yaml").read())
+assert "  toy:\\n    cmd: python -m stages.toy\\n" in dvc_yaml and "      - toy\\n" in dvc_yaml
+assert "      - models/toy\\n" in dvc_yaml.split("  evaluate:")[1]
+print("ok")
+'''
+
+
+def test_a_new_stage_is_its_script_and_its_params_section(tmp_path: Path) -> None:
+    """A stage added by writing stages/toy.py and its params.yaml section, and nothing else: its params validate
+    (one line per bad value), ``method: toy`` is allowed, evaluate reads its policy and dvc.yaml gets its stage."""
+    files = subprocess.run(["git", "ls-files", "stages", "rlhf", "tools", "params.yaml", "dvc.yaml"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    (tmp_path / "stages" / "toy.py").write_text(TOY_STAGE)
+    with (tmp_path / "params.yaml").open("a") as f:
+        f.write("\ntoy:\n  steps: 3\n")
+    result = subprocess.run([sys.executable, "-c", TOY_CHECKS], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
