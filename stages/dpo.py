@@ -31,7 +31,7 @@ from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import PAIRS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR
 from rlhf.pipeline.registry import Output, Stage
 from rlhf.pipeline.schema import Params
-from rlhf.pipeline.sections import Rule, Section
+from rlhf.pipeline.sections import Rule, Schedule
 from rlhf.train import checkpoint, dpo
 from rlhf.train.precision import pick_device
 from rlhf.train.rng import seed_everything
@@ -45,7 +45,7 @@ EVAL_BATCH = 64  # pairs per forward pass of the reference and of the held-out e
 DISABLED = "method is not dpo: evaluate reads the method's own policy"
 
 
-class DpoParams(Section):
+class DpoParams(Schedule):
     """params.yaml's dpo: section (method dpo; the sample_pairs stage reads it too)."""
 
     loss: Literal["dpo", "ipo"]
@@ -66,21 +66,12 @@ class DpoParams(Section):
     6 pairs a prompt)."""
     sample_prompts: int | None = Field(gt=0)
     """Train prompts sampled for sampled pairs (the first ones; a tenth of them held out for test pairs); null: all."""
-    learning_rate: float = Field(gt=0)
-    """Peak AdamW learning rate (warmup, then cosine decay)."""
     batch_size: int = Field(gt=0)
     """Pairs per optimizer step."""
     epochs: int = Field(gt=0)
     """Shuffled passes over the training pairs."""
     max_length: int = Field(gt=0)
     """Token cap of prompt + response; responses are cut to fit."""
-    warmup_steps: int = Field(ge=0)
-    """Linear warmup steps (at most half of the steps)."""
-    max_grad_norm: float = Field(gt=0)
-    """Gradient-norm clip of each optimizer step."""
-    checkpoint_every: int | None = Field(ge=0)
-    """Optimizer steps per resumable checkpoint in data/checkpoints/dpo/ (a rerun after a kill resumes from the
-    newest); 0 or null: off."""
 
     def check_with(self, params: Any) -> None:
         s = params.sft

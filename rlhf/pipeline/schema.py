@@ -17,7 +17,7 @@ from pydantic import Field, create_model, model_validator
 
 from rlhf.pipeline.paths import SPLITS, is_local
 from rlhf.pipeline.registry import policies, stage, stage_names
-from rlhf.pipeline.sections import PathOrId, Rule, Section, at_most, judge_name
+from rlhf.pipeline.sections import PathOrId, Rule, Schedule, Section, at_most, judge_name
 
 BEST_OF_N = "best_of_n"  # the method that trains nothing: evaluate samples the reference N times
 
@@ -79,7 +79,7 @@ class PrepareParams(Section):
         return self
 
 
-class SftParams(Section):
+class SftParams(Schedule):
     enabled: bool
     """Train the policy here; ppo and evaluate then use models/sft as policy and reference instead of model.policy."""
     base: PathOrId
@@ -102,21 +102,12 @@ class SftParams(Section):
     """Blocks per micro-batch."""
     gradient_accumulation_steps: int = Field(gt=0)
     """Micro-batches per optimizer step."""
-    learning_rate: float = Field(gt=0)
-    """Peak AdamW learning rate (warmup, then cosine decay)."""
     weight_decay: float = Field(ge=0)
     """AdamW weight decay of the matrices (biases and norms: none)."""
-    warmup_steps: int = Field(ge=0)
-    """Linear warmup steps (at most half of the steps)."""
-    max_grad_norm: float = Field(gt=0)
-    """Gradient-norm clip of each optimizer step."""
     splits: list[str] = Field(min_length=1)
     """Data-source splits to train on (never 'test': that is where perplexity is measured)."""
     eval_reviews: int = Field(gt=0)
     """Test-split reviews used for held-out perplexity."""
-    checkpoint_every: int | None = Field(ge=0)
-    """Optimizer steps per resumable checkpoint in data/checkpoints/sft/ (a rerun after a kill resumes from the
-    newest); 0 or null: off."""
 
     @model_validator(mode="after")
     def _rules(self) -> SftParams:
@@ -131,7 +122,7 @@ class SftParams(Section):
         return self
 
 
-class RewardParams(Section):
+class RewardParams(Schedule):
     train: bool
     """Train a preference reward model here; otherwise reward.model scores the responses."""
     base: PathOrId
@@ -142,8 +133,6 @@ class RewardParams(Section):
     """Label name of the positive class in reward.model's config (falls back to index 1 when absent)."""
     epochs: int = Field(gt=0)
     """Shuffled passes over the training pairs."""
-    learning_rate: float = Field(gt=0)
-    """Peak AdamW learning rate (warmup, then cosine decay)."""
     batch_size: int = Field(gt=0)
     """Pairs per optimizer step."""
     max_length: int = Field(gt=0)
@@ -153,13 +142,6 @@ class RewardParams(Section):
     center_coef: float = Field(ge=0)
     """Weight of mean((r_chosen + r_rejected)^2) in the loss: keeps scores centred on 0, so 'score > 0' reads as
     'more positive than the average snippet' (Eisenstein et al. 2023; TRL's center_rewards_coefficient)."""
-    warmup_steps: int = Field(ge=0)
-    """Linear warmup steps (at most half of the steps)."""
-    max_grad_norm: float = Field(gt=0)
-    """Gradient-norm clip of each optimizer step."""
-    checkpoint_every: int | None = Field(ge=0)
-    """Optimizer steps per resumable checkpoint in data/checkpoints/reward/ (a rerun after a kill resumes from the
-    newest); 0 or null: off."""
 
     def check_with(self, params: Any) -> None:
         if self.train and self.base == "sft" and not params.sft.enabled:

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo
 from pydantic.fields import FieldInfo
 
 from rlhf.pipeline.paths import is_local
@@ -48,6 +48,20 @@ class Section(BaseModel):
     def check_with(self, params: Any) -> None:
         """The rules between this section's keys and other sections' (``params``: the whole, validated ``Params``);
         a broken one raises ``Rule`` with the key from the root ('dpo.max_length')."""
+
+
+class Schedule(Section):
+    """The keys of every stage trained by the one fit loop (rlhf/train/fit.py): its section's first four."""
+
+    learning_rate: float = Field(gt=0)
+    """Peak AdamW learning rate (warmup, then cosine decay)."""
+    warmup_steps: int = Field(ge=0)
+    """Linear warmup steps (at most half of the steps)."""
+    max_grad_norm: float = Field(gt=0)
+    """Gradient-norm clip of each optimizer step."""
+    checkpoint_every: int | None = Field(ge=0)
+    """Optimizer steps per resumable checkpoint in data/checkpoints/<stage>/ (a rerun after a kill resumes from the
+    newest); 0 or null: off."""
 
 
 def at_most(model: BaseModel, key: str, limit: str, section: str) -> None:
