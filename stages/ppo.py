@@ -108,6 +108,10 @@ def main() -> None:
     staged = StagedOutputs.of(STAGE) if accelerator.is_main_process else contextlib.nullcontext()
     with staged as outputs:
         run(params, prompts, accelerator, outputs)
+    # every process leaves together, after the main one has written the outputs, and takes its process group down
+    # first: a rank exiting with a live gloo group while a peer still works can abort at interpreter exit
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: StagedOutputs | None) -> None:
