@@ -14,9 +14,9 @@ when the stage completes, or not at all (rlhf/pipeline/io.py's StagedOutputs).
 With ppo.checkpoint_every > 0 the run saves a checkpoint at every rollout-log flush, with copies of the staged rollout
 chunks and curves, and, rerun after a kill, resumes from the newest one (see rlhf/train/checkpoint.py).
 
-ppo.advantage_estimator picks the advantages: gae (PPO with a value head) or the critic-free rloo, grpo and
-reinforce_pp; each step draws ppo.batch_size / ppo.samples_per_prompt prompts and answers each samples_per_prompt
-times.
+ppo.advantage_estimator picks the advantages: gae (PPO with a value head) or a critic-free estimator (the table
+in rlhf/rl/estimators.py, listed below); each step draws ppo.batch_size / ppo.samples_per_prompt prompts and answers
+each samples_per_prompt times.
 
 Multi-process: ``accelerate launch --num_processes N -m stages.ppo`` on GPUs, ``torchrun --nproc_per_node N -m
 stages.ppo`` on CPU (each process samples ppo.batch_size responses).

@@ -14,6 +14,8 @@ import pytest
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.registry import stage as stage_record
 from rlhf.pipeline.registry import stage_names
+from rlhf.pipeline.schema import params_model
+from rlhf.pipeline.sections import read_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +38,7 @@ def test_help_lists_reads_params_and_writes_and_runs_nothing(stage: str, flag: s
                              for word in ("Reads ", "Writes ", "Params "))
     assert reads < writes < params
     listed = [line.split()[0] for line in lines[params + 1:] if line.startswith("  ") and line[2] != " "]
-    assert listed == list(stage_record(stage).params)
+    assert listed == read_keys(params_model(), stage_record(stage).params)
     assert not list(tmp_path.iterdir())
 
 

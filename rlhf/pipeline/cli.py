@@ -14,15 +14,16 @@ from rlhf.pipeline.errors import PipelineError, is_disk_full, is_out_of_memory
 from rlhf.pipeline.paths import checkpoints, output_path
 from rlhf.pipeline.registry import Stage, stage
 from rlhf.pipeline.schema import params_model
-from rlhf.pipeline.sections import describe_params
+from rlhf.pipeline.sections import key_doc, read_keys
 
 
 def stage_help(record: Stage, doc: str) -> str:
-    """``--help``: the script's docstring (what it reads and writes) and the params the stage reads, each with its
-    doc."""
-    lines = [describe_params(params_model(), entry) for entry in record.params]
-    params = "\n".join(textwrap.fill(text, 119, initial_indent=f"  {entry:<28}", subsequent_indent=" " * 30)
-                       for entry, text in zip(record.params, lines, strict=True))
+    """``--help``: the script's docstring (what it reads and writes) and the params the stage reads, each key with
+    its doc (a section it reads whole, key by key)."""
+    keys = read_keys(params_model(), record.params)
+    width = max(map(len, keys)) + 1
+    params = "\n".join(textwrap.fill(key_doc(params_model(), key), 119, initial_indent=f"  {key:<{width}}",
+                                      subsequent_indent=" " * (width + 2)) for key in keys)
     return (f"usage: python -m {record.module} [-h]\n\n{doc.strip()}\n\n"
             f"Params  (params.yaml; dvc.yaml lists the same)\n{params}\n")
 

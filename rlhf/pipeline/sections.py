@@ -92,8 +92,15 @@ def dotted_keys(model: type[Section], prefix: str = "") -> list[str]:
     return keys
 
 
-def describe_params(root: type[Section], entry: str) -> str:
-    """One line on a dotted key's doc, or on a section's keys (for ``--help``)."""
-    field = declaration(root, entry)
-    section = section_of(field)
-    return "every key: " + ", ".join(section.model_fields) if section else " ".join((field.description or "").split())
+def read_keys(root: type[Section], entries: tuple[str, ...]) -> list[str]:
+    """The dotted keys of a stage record's params entries, a section's own keys in its place."""
+    keys = []
+    for entry in entries:
+        section = section_of(declaration(root, entry))
+        keys += dotted_keys(section, f"{entry}.") if section else [entry]
+    return keys
+
+
+def key_doc(root: type[Section], key: str) -> str:
+    """A dotted key's doc on one line (for ``--help``)."""
+    return " ".join((declaration(root, key).description or "").split())

@@ -43,7 +43,7 @@ class Experience:
     non_score_reward: torch.Tensor
     kl: torch.Tensor
     advantages: torch.Tensor
-    returns: torch.Tensor | None  # None for rloo and grpo
+    returns: torch.Tensor | None  # None for the estimators that score a whole response (the group baselines)
     entropy: torch.Tensor
 
     @property
