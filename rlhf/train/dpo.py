@@ -24,6 +24,7 @@ from typing import Literal
 
 import pandas as pd
 import torch
+from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.pairs import read_pairs
@@ -189,7 +190,7 @@ def with_reference(pairs: PairSet, reference: PreTrainedModel, tokenizer: PreTra
     epoch (the reference is frozen, so they never change)."""
     reference.eval()
     parts = []
-    for start in range(0, len(pairs), batch_size):
+    for start in tqdm(range(0, len(pairs), batch_size), desc="reference log-probs", unit="batch"):
         idx = list(range(start, min(start + batch_size, len(pairs))))
         both = sequence_logprobs(reference, pair_samples(pairs, idx, tokenizer, device), precision)  # (2b,)
         parts.append(both.view(2, -1).T.cpu())
