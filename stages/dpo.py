@@ -1,21 +1,22 @@
 """dpo: the initial policy trained on preference pairs by DPO or IPO (dpo.loss), no reward model and no RL.
 
 Reads   the pairs of dpo.pairs: data/pairs/{train,test}.parquet (prepare's, the reward model's own) or
-        data/sampled_pairs/{train,test}.parquet (the sample_pairs stage's); the initial policy, also the frozen
-        reference (models/sft when sft.enabled, else model.policy)
+        data/sampled_pairs/{train,test}.parquet (the sample_pairs stage's); the frozen reference's log-probs of
+        them, data/ref_logprobs (the ref_logprobs stage's); the initial policy (models/sft when sft.enabled, else
+        model.policy)
 Writes  models/dpo/        the trained LM + tokenizer (AutoModelForCausalLM); only a DISABLED marker when method is
                            not dpo (evaluate then reads the method's own policy)
         metrics/dpo/       DVCLive curves: each step's batch (train/loss, train/rewards/*, train/logratios/*) and, ten
                            times a run, the held-out test pairs' (eval/rewards/accuracies, eval/rewards/margins, ...)
         metrics/dpo.json   summary: the held-out stats at the end, pairs, steps, seconds
-The reference's log-probs are computed once, before training (rlhf/train/dpo.py). The outputs are replaced together
+The reference's log-probs are computed once per pair set by the ref_logprobs stage, so no reference model is held
+while training (rlhf/train/dpo.py). The outputs are replaced together
 when the stage completes, or not at all; with dpo.checkpoint_every a rerun after a kill resumes from the newest
 checkpoint in data/checkpoints/dpo/ to the same result. Its params are the dpo: section below (DpoParams).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from pathlib import Path
@@ -23,12 +24,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from rlhf.models.loading import context_size, initial_policy, load_initial_policy, save_pretrained
+from rlhf.models.loading import initial_policy, load_initial_policy, save_pretrained
 from rlhf.pipeline.cli import run_stage
-from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, run_switchable, write_json
 from rlhf.pipeline.params import load_params
-from rlhf.pipeline.paths import PAIRS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR
+from rlhf.pipeline.paths import PAIRS_DIR, REF_LOGPROBS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR
 from rlhf.pipeline.registry import Output, Stage
 from rlhf.pipeline.schema import Params
 from rlhf.pipeline.sections import Rule, Schedule
@@ -41,12 +41,12 @@ log = logging.getLogger("dpo")
 DPO_DIR = Path("models/dpo")
 DPO_CURVES = Path("metrics/dpo")  # DVCLive's folder
 DPO_METRICS = Path("metrics/dpo.json")
-EVAL_BATCH = 64  # pairs per forward pass of the reference and of the held-out evaluation
+EVAL_BATCH = 64  # pairs per forward pass of the held-out evaluation
 DISABLED = "method is not dpo: evaluate reads the method's own policy"
 
 
 class DpoParams(Schedule):
-    """params.yaml's dpo: section (method dpo; the sample_pairs stage reads it too)."""
+    """params.yaml's dpo: section (method dpo; the sample_pairs and ref_logprobs stages read it too)."""
 
     loss: Literal["dpo", "ipo"]
     """dpo: -log sigmoid(beta h) (Rafailov et al. 2023), with label_smoothing the conservative cDPO; ipo:
@@ -84,7 +84,7 @@ STAGE = Stage(
     params=("seed", "method", "model", "sft.enabled", "dpo.loss", "dpo.beta", "dpo.label_smoothing", "dpo.tau",
             "dpo.pairs", "dpo.learning_rate", "dpo.batch_size", "dpo.epochs", "dpo.max_length", "dpo.warmup_steps",
             "dpo.max_grad_norm", "dpo.checkpoint_every"),
-    inputs=(PAIRS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR),
+    inputs=(PAIRS_DIR, SAMPLED_PAIRS_DIR, REF_LOGPROBS_DIR, SFT_DIR),
     outputs=(Output(DPO_DIR), Output(DPO_CURVES, cache=False), Output(DPO_METRICS, "metrics", cache=False)),
     out_of_memory="lower dpo.batch_size or dpo.max_length",
     section=DpoParams,
@@ -101,21 +101,18 @@ def main() -> None:
 
 def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     cfg = params.dpo
-    train_frame, test_frame = dpo.read_pair_files(cfg.pairs, cfg.batch_size)
+    frames = dpo.read_pair_files(cfg.pairs, cfg.batch_size)
+    ref_logprobs = dpo.read_reference(dpo.reference_key(params))
     generator = seed_everything(params.seed)
     lm, tokenizer, what = load_initial_policy(params)
-    if cfg.max_length > context_size(lm):
-        raise ModelError(f"dpo.max_length: {cfg.max_length} exceeds {what}'s {context_size(lm)} positions")
+    dpo.check_context(lm, cfg.max_length, what)
     outputs.check_free_space(DPO_DIR, checkpoint.weights_bytes(lm))
     device, precision = pick_device(), params.model.precision
     config = dpo.DpoConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(dpo.DpoConfig)})
-    reference = copy.deepcopy(lm).to(device)
     lm.to(device)
     train_pairs, test_pairs = (
-        dpo.with_reference(dpo.encode_pairs(frame, tokenizer, cfg.max_length, str(path)), reference, tokenizer,
-                           EVAL_BATCH, device, precision)
-        for frame, path in zip((train_frame, test_frame), dpo.PAIR_FILES[cfg.pairs][1:], strict=True))
-    del reference
+        dataclasses.replace(dpo.encode_pairs(frame, tokenizer, cfg.max_length, str(path)), ref_logprobs=ref)
+        for frame, path, ref in zip(frames, dpo.PAIR_FILES[cfg.pairs][1:], ref_logprobs, strict=True))
 
     fingerprint = run_fingerprint(params) if cfg.checkpoint_every else None
     history = dpo.History(dpo.total_steps(len(train_pairs), config),

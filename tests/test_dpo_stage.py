@@ -1,7 +1,8 @@
-"""The dpo and sample_pairs stages: DPO through the stage learns its pairs and resumes after a kill to the same
-curves and weights; the one-line errors; and through DVC, `method: dpo` with sampled pairs trains without PPO,
-evaluate reads models/dpo, the sampled pairs are ranked as the scorer ranks them and cached, and a switch reruns
-exactly the stages that read it."""
+"""The dpo, ref_logprobs and sample_pairs stages: DPO through the stage learns its pairs and resumes after a kill to
+the same curves and weights; the one-line errors, stale reference log-probs included; and through DVC, `method: dpo`
+with sampled pairs trains without PPO, evaluate reads models/dpo, the sampled pairs are ranked as the scorer ranks
+them and cached, the reference's log-probs are kept across a beta change, and a switch reruns exactly the stages
+that read it."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from conftest import ROOT, dvc, set_params
 from helpers import ran_stages, signal_pairs
 from transformers import AutoModelForCausalLM
 
+from rlhf.models.loading import initial_tokenizer
 from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import DISABLED_MARKER
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import (
     POLICY_DIR,
+    REF_LOGPROBS_DIR,
     SAMPLED_PAIRS_DIR,
     SAMPLED_TEST_PAIRS,
     SAMPLED_TRAIN_PAIRS,
@@ -30,6 +33,7 @@ from rlhf.pipeline.paths import (
 )
 from rlhf.train import dpo as dpo_library
 from stages import dpo as dpo_stage
+from stages import ref_logprobs as ref_stage
 from stages.dpo import DPO_CURVES, DPO_DIR, DPO_METRICS
 
 TINY_DPO = {"dpo.batch_size": 8, "dpo.learning_rate": 1e-2, "dpo.max_length": 24, "dpo.warmup_steps": 2,
@@ -38,13 +42,15 @@ TINY_DPO = {"dpo.batch_size": 8, "dpo.learning_rate": 1e-2, "dpo.max_length": 24
 
 @pytest.fixture
 def dpo_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gpt2_dir: Path) -> Path:
-    """A folder with params.yaml (method dpo, the tiny policy) and prepare's pairs: 64 to train on, 32 held out."""
+    """A folder with params.yaml (method dpo, the tiny policy), prepare's pairs (64 to train on, 32 held out) and the
+    reference's log-probs of them."""
     monkeypatch.chdir(tmp_path)
     shutil.copy(ROOT / "params.yaml", "params.yaml")
     set_params(tmp_path, **{"method": "dpo", "model.policy": str(tiny_gpt2_dir), **TINY_DPO})
     TRAIN_PAIRS.parent.mkdir(parents=True)
     signal_pairs(64, 0).to_parquet(TRAIN_PAIRS)
     signal_pairs(32, 1).to_parquet(TEST_PAIRS)
+    ref_stage.main()
     return tmp_path
 
 
@@ -106,6 +112,34 @@ def test_bad_pairs_fail_in_one_line_before_a_model_loads(dpo_dir: Path) -> None:
     assert not DPO_DIR.exists() and not DPO_METRICS.exists()
 
 
+def test_the_reference_log_probs_are_the_references_row_for_row_and_read_only_for_what_they_were_computed_for(
+        dpo_dir: Path, tiny_gpt2_dir: Path) -> None:
+    params = load_params()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
+    tokenizer = initial_tokenizer(params)[2]
+    for path, ref in zip((TRAIN_PAIRS, TEST_PAIRS), dpo_library.read_reference(dpo_library.reference_key(params)),
+                         strict=True):
+        pairs = dpo_library.encode_pairs(pd.read_parquet(path), tokenizer, params.dpo.max_length, str(path))
+        one_by_one = torch.tensor([[dpo_library.sequence_logprobs(
+            reference, dpo_library.pair_samples(pairs, [i], tokenizer, torch.device("cpu")), "fp32")[side].item()
+            for side in (0, 1)] for i in range(len(pairs))])
+        assert ref.shape == (len(pairs), 2)
+        torch.testing.assert_close(ref, one_by_one, atol=1e-4, rtol=0)
+
+    set_params(dpo_dir, **{"dpo.max_length": 20, "model.policy": "./no-model-here-is-loaded-first"})
+    Path("no-model-here-is-loaded-first").mkdir()
+    with pytest.raises(DataError, match=r"^data/ref_logprobs/train\.parquet: the log-probs of other pairs, another "
+                                        r"reference or another dpo\.max_length \(run the ref_logprobs stage again"):
+        dpo_stage.main()
+    set_params(dpo_dir, **{"method": "ppo"})
+    ref_stage.main()
+    assert [p.name for p in REF_LOGPROBS_DIR.iterdir()] == [DISABLED_MARKER]
+    set_params(dpo_dir, **{"method": "dpo"})
+    with pytest.raises(DataError, match=r"^data/ref_logprobs: holds no reference log-probs \(run the ref_logprobs "):
+        dpo_stage.main()
+    assert not DPO_DIR.exists() and not DPO_METRICS.exists()
+
+
 def test_another_method_writes_only_the_marker(dpo_dir: Path) -> None:
     set_params(dpo_dir, **{"method": "ppo"})
     dpo_stage.main()
@@ -122,8 +156,8 @@ def test_method_dpo_on_sampled_pairs_through_dvc(project: Path, imdb_dir: Path, 
         "ppo.response_min_tokens": 2, "ppo.response_max_tokens": 6, "evaluate.judges": ["vader"],
         "evaluate.batch_size": 8, "evaluate.examples": 2, "method": "dpo", "dpo.pairs": "sampled", **TINY_DPO,
         "dpo.checkpoint_every": 0})
-    assert ran_stages(dvc(project, "repro")) == {"prepare", "sft", "reward", "ppo", "sample_pairs", "dpo",
-                                                 "evaluate"}
+    assert ran_stages(dvc(project, "repro")) == {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs",
+                                                 "dpo", "evaluate"}
     assert [p.name for p in (project / POLICY_DIR).iterdir()] == [DISABLED_MARKER], "ppo did not train"
     assert json.loads((project / DPO_METRICS).read_text())["trained"]
     assert json.loads((project / "metrics/eval.json").read_text())["kl.full_mean"] > 0, "evaluate read models/dpo"
@@ -139,10 +173,12 @@ def test_method_dpo_on_sampled_pairs_through_dvc(project: Path, imdb_dir: Path, 
     assert (train["chosen_score"] > train["rejected_score"]).all()
 
     assert ran_stages(dvc(project, "repro")) == set(), "nothing is sampled or trained again"
-    for updates, changed in [({"dpo.beta": 0.5}, {"dpo"}),  # evaluate follows once models/dpo changes
+    # evaluate (and dpo, after new pairs) follow once the outputs they read change
+    for updates, changed in [({"dpo.beta": 0.5}, {"dpo"}),  # the reference's log-probs are kept
+                             ({"dpo.max_length": 20}, {"ref_logprobs", "dpo"}),
                              ({"dpo.samples_per_prompt": 3}, {"sample_pairs"}),
-                             ({"method": "ppo"}, {"ppo", "sample_pairs", "dpo", "evaluate"}),
-                             ({"method": "best_of_n"}, {"ppo", "sample_pairs", "dpo", "evaluate"})]:
+                             ({"method": "ppo"}, {"ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate"}),
+                             ({"method": "best_of_n"}, {"ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate"})]:
         before = (project / "params.yaml").read_text()
         set_params(project, **updates)
         status = json.loads(dvc(project, "status", "--json").stdout)

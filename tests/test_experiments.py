@@ -14,7 +14,8 @@ import pytest
 from conftest import dvc, set_params
 from helpers import ran_stages
 
-ALL_STAGES = {"prepare", "sft", "reward", "ppo", "sample_pairs", "dpo", "evaluate"}  # the off ones write a marker
+# the switched-off ones run too, writing a marker
+ALL_STAGES = {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate"}
 
 
 def git_commit(project: Path, message: str) -> None:

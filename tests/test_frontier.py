@@ -270,7 +270,7 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
 
     # the first point runs the whole DAG, the second only what the KL knob feeds
     assert points_log(run_frontier(project, "tiny", "--kl-coef", "0.5,0.05")) == {
-        "tiny-kl0.5": ("ran", {"prepare", "sft", "reward", "ppo", "sample_pairs", "dpo", "evaluate"}),
+        "tiny-kl0.5": ("ran", {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate"}),
         "tiny-kl0.05": ("ran", {"ppo", "evaluate"})}
     shown = exp_show(project)
     table = pd.read_csv(project / "metrics" / "frontier" / "tiny.csv")
@@ -323,8 +323,9 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
     # a DPO series with two seeds: one experiment per (point, seed) (the new seed reruns the whole DAG), a row each
     # in the table, and their mean and standard error in the means table
     assert points_log(run_frontier(project, "tiny", "--beta", "0.5", "--seeds", "0,1")) == {
-        "tiny-dpo-beta0.5-s0": ("ran", {"ppo", "sample_pairs", "dpo", "evaluate"}),
-        "tiny-dpo-beta0.5-s1": ("ran", {"prepare", "sft", "reward", "ppo", "sample_pairs", "dpo", "evaluate"})}
+        "tiny-dpo-beta0.5-s0": ("ran", {"ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate"}),
+        "tiny-dpo-beta0.5-s1": ("ran", {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs", "dpo",
+                                        "evaluate"})}
     shown = exp_show(project)
     for seed in (0, 1):
         params = shown[f"tiny-dpo-beta0.5-s{seed}"]["params"]["params.yaml"]["data"]

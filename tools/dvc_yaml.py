@@ -13,7 +13,8 @@ from rlhf.pipeline.registry import ROOT, Output, Stage, stage, stage_names
 
 DVC_YAML = ROOT / "dvc.yaml"
 HEADER = """\
-# The pipeline: prepare -> sft (optional) -> reward (optional) -> ppo or [sample_pairs ->] dpo (by method) -> evaluate.
+# The pipeline: prepare -> sft (optional) -> reward (optional) -> by method, ppo or [sample_pairs ->] ref_logprobs ->
+# dpo -> evaluate.
 # Written by `python -m tools.dvc_yaml` from each stage's record (STAGE in stages/<name>.py): edit the record, not
 # this section. A stage's code deps are the project modules its script imports; its params are what it reads.
 # Optional stages always run but write only a marker when switched off, so toggling one reruns exactly what depends

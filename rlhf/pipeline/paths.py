@@ -21,6 +21,7 @@ TEST_PAIRS = PAIRS_DIR / "test.parquet"
 SAMPLED_PAIRS_DIR = Path("data/sampled_pairs")
 SAMPLED_TRAIN_PAIRS = SAMPLED_PAIRS_DIR / "train.parquet"
 SAMPLED_TEST_PAIRS = SAMPLED_PAIRS_DIR / "test.parquet"
+REF_LOGPROBS_DIR = Path("data/ref_logprobs")  # the reference's log-probs of the pairs dpo trains on
 ROLLOUTS_DIR = Path("data/rollouts")
 EVAL_DIR = Path("data/eval")
 EVAL_SAMPLES = EVAL_DIR / "samples.parquet"

@@ -1,6 +1,8 @@
 """Direct preference optimisation: the policy trained on (prompt, chosen, rejected) pairs by DPO or IPO
 (rlhf/rl/preference.py) through the project's one training loop (rlhf/train/fit.py), against a frozen reference
-whose log-probs are computed once per pair set, before training, and never again.
+whose log-probs of each pair set are computed once, by the ref_logprobs stage (``with_reference``), and kept as a
+DVC output: they depend on the pairs, the reference and dpo.max_length only, so runs that differ in anything else
+(beta, tau, the loss, the schedule, the seed) read the same file, checked by ``reference_key``.
 
 What a pair's prompt is. Sampled pairs (rlhf/data/sampled_pairs.py) carry the prompt their two completions continue.
 prepare's pairs are the openings of two different reviews, a positive and a negative one, which share no prompt: their
@@ -23,24 +25,30 @@ from pathlib import Path
 from typing import Literal
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.pairs import read_pairs
+from rlhf.models.loading import context_size, initial_policy
 from rlhf.models.policy import disable_dropout
-from rlhf.pipeline.errors import DataError
-from rlhf.pipeline.io import DISABLED_MARKER, write_text
+from rlhf.pipeline.errors import DataError, ModelError
+from rlhf.pipeline.io import DISABLED_MARKER, write_parquet, write_text
 from rlhf.pipeline.paths import (
     PAIRS_DIR,
+    REF_LOGPROBS_DIR,
     SAMPLED_PAIRS_DIR,
     SAMPLED_TEST_PAIRS,
     SAMPLED_TRAIN_PAIRS,
     TEST_PAIRS,
     TRAIN_PAIRS,
 )
+from rlhf.pipeline.schema import Params
 from rlhf.rl import preference as pref
 from rlhf.rl.rollout import Samples, forward, left_pad
+from rlhf.train import checkpoint
 from rlhf.train.batches import ShuffledBatches
 from rlhf.train.fit import FitPlan, FitResult, fit
 from rlhf.train.precision import autocast
@@ -48,6 +56,8 @@ from rlhf.train.precision import autocast
 SECTION = "dpo"  # the params section: messages name its keys, checkpoints live in data/checkpoints/dpo/
 PAIR_FILES = {"prepare": (PAIRS_DIR, TRAIN_PAIRS, TEST_PAIRS),
               "sampled": (SAMPLED_PAIRS_DIR, SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS)}  # dpo.pairs -> its files
+REF_FILES = (REF_LOGPROBS_DIR / "train.parquet", REF_LOGPROBS_DIR / "test.parquet")  # row for row the pairs'
+REF_KEY = b"reference_key"  # the Parquet metadata entry holding ``reference_key``
 EVAL_POINTS = 10  # held-out evaluations a run, evenly spaced (the last after the last step)
 
 
@@ -88,18 +98,52 @@ class PairSet:
         return len(self.prompts)
 
 
-def read_pair_files(source: str, batch_size: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The (train, test) pairs of ``source`` (dpo.pairs), checked before any model loads."""
+def read_pair_files(source: str, batch_size: int | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The (train, test) pairs of ``source`` (dpo.pairs), checked before any model loads: against the dpo stage's
+    ``batch_size`` too, unless None."""
     folder, *files = PAIR_FILES[source]
     if (folder / DISABLED_MARKER).exists():
         raise DataError(f"{folder}: holds no pairs (run the sample_pairs stage with method dpo and dpo.pairs "
                         f"{source})")
     train, test = (read_pairs(path) for path in files)
-    if len(train) < batch_size:
+    if batch_size is not None and len(train) < batch_size:
         raise DataError(f"{files[0]}: {len(train)} pairs, fewer than {SECTION}.batch_size={batch_size}")
     return train, test
 
 
+def check_context(lm: PreTrainedModel, max_length: int, what: str) -> None:
+    """dpo.max_length must fit the positions of the policy ``what``."""
+    if max_length > context_size(lm):
+        raise ModelError(f"{SECTION}.max_length: {max_length} exceeds {what}'s {context_size(lm)} positions")
+
+
+def reference_key(params: Params) -> str:
+    """What the reference's log-probs of dpo.pairs depend on: the ref_logprobs stage's params, the pair files, the
+    reference and its tokenizer, and the code. The dpo stage reads them only under the key they were written with."""
+    path, tokenizer, _ = initial_policy(params)
+    return checkpoint.fingerprint("ref_logprobs", params, [PAIR_FILES[params.dpo.pairs][0], path, tokenizer])
+
+
+def write_reference(ref_logprobs: torch.Tensor, path: Path, key: str) -> None:
+    """(N, 2) reference log-probs of (chosen, rejected) as a Parquet file of two columns, under ``key``."""
+    table = pa.table({"chosen": ref_logprobs[:, 0].numpy(), "rejected": ref_logprobs[:, 1].numpy()})
+    write_parquet(table.replace_schema_metadata({REF_KEY: key}), path)
+
+
+def read_reference(key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (train, test) (N, 2) reference log-probs the ref_logprobs stage wrote, if written under ``key``: cheap,
+    so checked before any model loads."""
+    if (REF_LOGPROBS_DIR / DISABLED_MARKER).exists() or not all(path.is_file() for path in REF_FILES):
+        raise DataError(f"{REF_LOGPROBS_DIR}: holds no reference log-probs (run the ref_logprobs stage with method "
+                        "dpo)")
+    tensors = []
+    for path in REF_FILES:
+        table = pq.read_table(path)
+        if (table.schema.metadata or {}).get(REF_KEY) != key.encode():
+            raise DataError(f"{path}: the log-probs of other pairs, another reference or another "
+                            f"{SECTION}.max_length (run the ref_logprobs stage again: dvc repro)")
+        tensors.append(torch.stack([torch.tensor(table[side].to_numpy()) for side in ("chosen", "rejected")], 1))
+    return tensors[0], tensors[1]
 
 
 class History:
@@ -186,8 +230,8 @@ def sequence_logprobs(lm: PreTrainedModel, samples: Samples, precision: str) -> 
 @torch.no_grad()
 def with_reference(pairs: PairSet, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                    batch_size: int, device: torch.device, precision: str) -> PairSet:
-    """``pairs`` with the reference's (N, 2) sequence log-probs of (chosen, rejected): one pass, cached for every
-    epoch (the reference is frozen, so they never change)."""
+    """``pairs`` with the reference's (N, 2) sequence log-probs of (chosen, rejected): one pass (the ref_logprobs
+    stage's), for every epoch and every run on these pairs (the reference is frozen, so they never change)."""
     reference.eval()
     parts = []
     for start in tqdm(range(0, len(pairs), batch_size), desc="reference log-probs", unit="batch"):

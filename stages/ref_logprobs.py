@@ -1,0 +1,62 @@
+"""ref_logprobs: the frozen reference's log-probs of every pair dpo trains and evaluates on, for method dpo.
+
+Reads   the pairs of dpo.pairs: data/pairs/{train,test}.parquet or data/sampled_pairs/{train,test}.parquet; the
+        reference, which is the initial policy (models/sft when sft.enabled, else model.policy)
+Writes  data/ref_logprobs/{train,test}.parquet  chosen, rejected: log pi_ref(response | prompt) of each pair, row for
+                                                row the pairs' (responses cut to dpo.max_length), under a key of
+                                                what they depend on; only a DISABLED marker unless method is dpo
+They depend on the pairs, the reference and dpo.max_length alone, so DVC keeps them across runs that change dpo.beta,
+dpo.tau, dpo.loss, the schedule or the seed: a sweep over those pays for the reference's pass once, not per point.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rlhf.models.loading import load_initial_policy
+from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.io import StagedOutputs, run_switchable
+from rlhf.pipeline.params import load_params
+from rlhf.pipeline.paths import PAIRS_DIR, REF_LOGPROBS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR
+from rlhf.pipeline.registry import Output, Stage
+from rlhf.pipeline.schema import Params
+from rlhf.train import dpo
+from rlhf.train.precision import pick_device
+
+log = logging.getLogger("ref_logprobs")
+
+BATCH = 64  # pairs per forward pass of the reference
+
+STAGE = Stage(
+    __spec__.name,
+    params=("method", "model", "sft.enabled", "dpo.pairs", "dpo.max_length"),
+    inputs=(PAIRS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR),
+    outputs=(Output(REF_LOGPROBS_DIR),),
+    out_of_memory="lower dpo.max_length",
+)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    params = load_params()
+    run_switchable(STAGE, params.method == "dpo", lambda outputs: write_reference(params, outputs),
+                   REF_LOGPROBS_DIR, "computed only with method dpo", {})
+
+
+def write_reference(params: Params, outputs: StagedOutputs) -> None:
+    cfg = params.dpo
+    frames = dpo.read_pair_files(cfg.pairs, batch_size=None)
+    lm, tokenizer, what = load_initial_policy(params)
+    dpo.check_context(lm, cfg.max_length, what)
+    key = dpo.reference_key(params)
+    device = pick_device()
+    lm.to(device)
+    for frame, pairs_file, path in zip(frames, dpo.PAIR_FILES[cfg.pairs][1:], dpo.REF_FILES, strict=True):
+        pairs = dpo.encode_pairs(frame, tokenizer, cfg.max_length, str(pairs_file))
+        pairs = dpo.with_reference(pairs, lm, tokenizer, BATCH, device, params.model.precision)
+        dpo.write_reference(pairs.ref_logprobs, outputs[path], key)
+        log.info("ref_logprobs: %d pairs of %s", len(pairs), pairs_file)
+
+
+if __name__ == "__main__":
+    run_stage(main)
