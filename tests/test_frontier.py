@@ -39,7 +39,7 @@ def test_grid_names_each_point_after_its_knob() -> None:
     assert points[2].knob == {"method": "ppo", "ppo.adap_kl_ctrl": True, "ppo.target": 3.0}
     assert grid("params", "rloo", {"kl": [1e-5]})[0].name == "params-rloo-kl1e-05"
     assert member("offline-cpu-rloo-kl0.05", "offline-cpu") == ("rloo", "kl0.05")
-    assert member("offline-cpu-target6", "offline-cpu") == ("default", "target6")
+    assert member("offline-cpu-target6", "offline-cpu") == ("ppo", "target6")
     assert member("kl-0.05", "offline-cpu") is None and member("offline-gpu-kl0.05", "offline-cpu") is None
 
 
@@ -89,7 +89,7 @@ def test_rows_start_at_the_reference_and_keep_only_the_presets_sweeps(tmp_path: 
     }
     rows = frontier_rows(experiments, "cpu", {"ppo.steps": 80})
     assert [(r["series"], r["point"]) for r in rows] == [
-        ("default", "reference"), ("default", "kl0.4"), ("default", "kl0.05"),
+        ("ppo", "reference"), ("ppo", "kl0.4"), ("ppo", "kl0.05"),
         ("rloo", "reference"), ("rloo", "target4")]
     assert rows[0] | {"experiment": "", "kl.mean": 0.0, "policy.positive_rate": 0.41} == rows[0]
     assert rows[0].get("ppo.seconds") is None and rows[0].get("ppo.init_kl_coef") is None
@@ -164,7 +164,7 @@ def test_best_of_n_rows_take_the_kl_bound_and_say_so() -> None:
     assert found["best-of-n", "n16"] | {"kl.source": "bound", "kl.mean": 1.83, "kl.full_mean": None,
                                         "evaluate.best_of_n": 16} == found["best-of-n", "n16"]
     assert found["best-of-n", "reference"] | {"kl.source": "bound", "kl.mean": 0.0} == found["best-of-n", "reference"]
-    assert found["default", "kl0.4"]["kl.source"] == "sampled" and found["default", "kl0.4"]["kl.mean"] == 1.5
+    assert found["ppo", "kl0.4"]["kl.source"] == "sampled" and found["ppo", "kl0.4"]["kl.mean"] == 1.5
     labels = {(r["point"], r["kl.mean"], r["label"]) for r in chart_points(mean_rows(rows))}
     assert ("n16", 1.83, "n16 (KL bound)") in labels and ("kl0.4", 1.5, "kl0.4") in labels
 
@@ -193,6 +193,9 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path: Path) -> None:
     assert (result.returncode, result.stderr) == (1, "error: --jobs: must be >= 1 (got 0)\n")
     result = run_frontier(tmp_path, "tiny", "--series", "mixed", "--kl-coef", "0.1", "--beta", "0.1")
     assert result.returncode == 1 and result.stderr.startswith("error: --series: one series is one method")
+    result = run_frontier(tmp_path, "tiny", "--series", "dpo", "--set", "dpo.pairs=sampled", "--beta", "0.1")
+    assert result.returncode == 1 and result.stderr.startswith("error: --series: 'dpo' is the name of a method's")
+    assert "'ppo' is the name" in run_frontier(tmp_path, "tiny", "--series", "ppo", "--kl-coef", "0.1").stderr
 
 
 def test_a_dry_run_of_a_shipped_preset_prints_the_default_grid_and_copies_nothing(

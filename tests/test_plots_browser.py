@@ -67,8 +67,8 @@ def fake_frontier(project: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return the chart's plot id."""
     reference = {"experiment": "", "point": "reference", "kl.mean": 0.0, "policy.positive_rate": 0.41,
                  "judge.vader.policy_positive_rate": 0.36}
-    rows = [{**reference, "series": "default"}, {**reference, "series": "rloo"}]
-    for series, shift, seed in (("default", 0.0, None), ("rloo", 0.05, 0), ("rloo", 0.08, 1)):
+    rows = [{**reference, "series": "ppo"}, {**reference, "series": "rloo"}]
+    for series, shift, seed in (("ppo", 0.0, None), ("rloo", 0.05, 0), ("rloo", 0.08, 1)):
         rows += [{"experiment": f"cpu-{series}-kl{c}", "series": series, "point": f"kl{c}", "seed": seed,
                   "kl.mean": kl + shift, "policy.positive_rate": rm + shift,
                   "judge.vader.policy_positive_rate": vader + shift}

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlhf.eval.frontier import KINDS, Point, frontier_files, frontier_rows, grid, same, write_frontier
+from rlhf.eval.frontier import DEFAULT_SERIES, KINDS, Point, frontier_files, frontier_rows, grid, same, write_frontier
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ParamsError, PipelineError
 from rlhf.pipeline.experiments import (
@@ -248,6 +248,9 @@ def main() -> None:
     if args.kl_coef is None and not any(values.values()):
         values["kl"] = DEFAULT_KL_COEFS
     values = {kind: knob_values for kind, knob_values in values.items() if knob_values}
+    if args.series in {DEFAULT_SERIES, *(series for series, _ in KINDS.values() if series)}:
+        raise ParamsError(f"--series: {args.series!r} is the name of a method's own series (its points would mix "
+                          "with that method's); choose another")
     if args.series and len({KINDS[kind][0] for kind in values}) > 1:
         raise ParamsError("--series: one series is one method: give it --kl-coef/--target, --beta, --tau or "
                           "--best-of-n, not several")

@@ -26,7 +26,7 @@ from rlhf.pipeline.io import write_json, write_text
 
 FRONTIER_DIR = Path("metrics/frontier")
 CHART_DIR = FRONTIER_DIR / "chart"  # a folder of its own: dvc.yaml plots every file in it with the frontier template
-DEFAULT_SERIES = "default"
+DEFAULT_SERIES = "ppo"  # the series of PPO points swept without --series
 REFERENCE = "reference"
 RM = "reward model"
 # each kind of point: its label prefix -> (the series it joins unless --series names one, its params keys)
