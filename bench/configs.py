@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.pipeline.experiments import LOCAL_INPUTS
+from rlhf.pipeline.paths import RAW_IMDB, RAW_TOKENIZER
 
 PHASES = ("generate", "score", "forward", "update")
 
@@ -68,8 +68,8 @@ CONFIGS = {
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="bench-cpu")
     # where the offline recipe keeps its local copies (tools/recipe.py): what a user who ran it has
-    parser.add_argument("--data", type=Path, default=Path(LOCAL_INPUTS["imdb"]), help="IMDb Parquet folder")
-    parser.add_argument("--tokenizer", default=LOCAL_INPUTS["tokenizer"], help="GPT-2 tokenizer folder")
+    parser.add_argument("--data", type=Path, default=RAW_IMDB, help="IMDb Parquet folder")
+    parser.add_argument("--tokenizer", default=str(RAW_TOKENIZER), help="GPT-2 tokenizer folder")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations, after one warm-up iteration")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own, one per core)")
     parser.add_argument("--precision", choices=["auto", "fp32"], default="auto",
@@ -145,7 +145,7 @@ def use_bf16(precision: str) -> bool:
     the comparison is like for like; ``fp32``: every runner in fp32."""
     import torch
 
-    # the rule of rlhf.train.precision.mixed_precision("auto"), restated: a peer's venv cannot import our package
+    # the rule of rlhf.models.precision.mixed_precision("auto"), restated: a peer's venv cannot import our package
     native = torch.cuda.is_available() or torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
     return precision == "auto" and native
 

@@ -30,9 +30,9 @@ from bench.configs import CONFIGS, BenchConfig, gpt2_config_kwargs, set_threads,
 from rlhf.models.decoding import SamplingParams, decode, decode_dynamic
 from rlhf.models.loading import fast_activations
 from rlhf.models.policy import disable_dropout
+from rlhf.models.precision import autocast, pick_device
+from rlhf.models.rollout import left_pad
 from rlhf.pipeline.cli import run_stage
-from rlhf.rl.rollout import left_pad
-from rlhf.train.precision import autocast, pick_device
 
 EOS = 50256  # GPT-2's; the pad token too, as in the pipeline
 DECODERS = ("static", "dynamic")

@@ -31,10 +31,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from bench.compare import bench_env, setup_venv
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.policy import PolicyWithValueHead
+from rlhf.models.rollout import Samples, left_pad
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.ppo_params import PpoParams
-from rlhf.rl.rollout import Samples, left_pad
-from rlhf.rl.trainer import PPOTrainer
+from rlhf.train.ppo_trainer import PPOTrainer
 
 TOLERANCE = 1e-5  # fp32 on both sides; the layouts differ (TRL right-pads query + response), so not bit for bit
 # the weights after the step, as a fraction of the largest distance a weight moved: Adam divides a gradient by its
@@ -140,7 +140,8 @@ def samples_of(queries: list[list[int]], responses: list[list[int]], pad_id: int
 
 
 def run_ours(model_dir: Path, ref_dir: Path, v_head: dict[str, torch.Tensor], case: dict) -> dict:
-    """Our trainer's phase on the case: ``score_experience`` then ``learn``, as ``PPOTrainer.step`` runs them."""
+    """Our trainer's phases on the case: ``score``, ``make_experience`` then ``learn``, as ``PPOTrainer.step`` runs
+    them."""
     cfg = PpoParams(**case["settings"])
     tokenizer = load_tokenizer(str(model_dir), defaults().model)
     policy = PolicyWithValueHead(load_causal_lm(str(model_dir), defaults().model), cfg.critic)
@@ -162,12 +163,16 @@ def run_ours(model_dir: Path, ref_dir: Path, v_head: dict[str, torch.Tensor], ca
     texts = [""] * BATCH  # the scorer ignores them
     perms = iter(case["perms"])
     with mock.patch.object(torch, "randperm", lambda n: torch.tensor(next(perms))):
-        exp = trainer.score_experience(samples, texts, texts, 0, {})
-        stats = trainer.learn(exp, 0, {}).stats
+        rollout = trainer.make_experience(samples, texts, texts, trainer.score(samples, texts, texts, 0))
+        stats = trainer.learn(rollout, 0).stats
     stats["non_score_reward per token"] = stats["objective/non_score_reward"] / stats["tokens/response_length"]
     weights = {f"lm.{k}": v for k, v in policy.lm.state_dict().items()}
     weights |= {f"v_head.{k}": v for k, v in policy.v_head.state_dict().items()}
-    return {"tokens": {k: getattr(exp, k)[exp.mask] for k in TOKENS}, "minibatches": minibatches, "stats": stats,
+    exp = rollout.experience
+    tokens = {"logprobs": exp.logprobs, "ref_logprobs": exp.ref_logprobs, "values": exp.values, "kl": rollout.kl,
+              "non_score_reward": rollout.non_score_reward, "rewards": rollout.rewards, "advantages": exp.advantages,
+              "returns": exp.returns}
+    return {"tokens": {k: tokens[k][rollout.masks] for k in TOKENS}, "minibatches": minibatches, "stats": stats,
             "kl_coef_after": trainer.kl_ctl.value, "weights": weights,
             "moved": {n: (weights[n] - initial[n]).abs().max().item() for n in weights}}
 

@@ -29,12 +29,12 @@ import torch
 from bench.configs import set_threads
 from rlhf.data.prompts import read_prompts
 from rlhf.models.loading import load_causal_lm, load_tokenizer
-from rlhf.models.logprobs import logprobs_and_entropy
 from rlhf.models.policy import backbone_hidden, disable_dropout
+from rlhf.models.precision import autocast, full_precision, pick_device
+from rlhf.models.rollout import Samples, SamplingParams, forward, generate
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import defaults
-from rlhf.rl.rollout import Samples, SamplingParams, forward, generate
-from rlhf.train.precision import autocast, full_precision, pick_device
+from rlhf.rl.logprobs import logprobs_and_entropy
 
 TF32_DROPPED_BITS = 13  # fp32 keeps 23 explicit mantissa bits, TF32 10
 

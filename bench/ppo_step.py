@@ -38,12 +38,12 @@ from bench.configs import (
 )
 from rlhf.models.loading import fast_activations, load_tokenizer
 from rlhf.models.policy import PolicyWithValueHead, disable_dropout
+from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.pipeline.sections import Rule
-from rlhf.rl.trainer import PPOTrainer
-from rlhf.train.precision import pick_device
+from rlhf.train.ppo_trainer import PPOTrainer
 
 
 class StandInScorer:

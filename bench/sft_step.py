@@ -24,12 +24,12 @@ from collections.abc import Callable
 import torch
 
 from bench.configs import set_threads
+from rlhf.models.precision import autocast, mixed_precision, pick_device
 from rlhf.pipeline.cli import run_stage
-from rlhf.pipeline.experiments import load_preset, overlay
-from rlhf.pipeline.schema import SftParams
-from rlhf.pipeline.yaml_files import read_yaml
-from rlhf.train.precision import autocast, mixed_precision, pick_device
+from rlhf.pipeline.params import read_yaml
+from rlhf.pipeline.sections import SftParams
 from rlhf.train.sft import next_token_loss, scratch_model
+from tools.presets import load_preset, overlay
 
 GPT2_VOCAB, EOS = 50257, 50256
 

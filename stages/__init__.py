@@ -1,14 +1,17 @@
-"""The pipeline's stages (``python -m stages.<name>``) and tools (``tools.recipe``, ``tools.frontier``).
+"""The pipeline's stages, one script each (``python -m stages.<name>``), wired by dvc.yaml.
 
-``python -m stages.X`` imports this package before X's own imports (torch, transformers: seconds), so a stop pressed
-then would otherwise print a long traceback from inside them. While the package is imported on behalf of ``-m``
-(sys.argv[0] is "-m" until the module is found), Ctrl-C and SIGTERM end the process with one line and the signal's
-exit status; rlhf.pipeline.errors.run_stage installs the handlers that keep checkpoints once the stage starts.
+``python -m stages.X`` imports this package before X's own imports (torch, transformers: seconds). While the package
+is imported on behalf of ``-m`` (sys.argv[0] is "-m" until the module is found):
+- ``-h``/``--help`` is answered here, from X's docstring and dvc.yaml, so it starts at once and loads no model;
+- Ctrl-C and SIGTERM end the process with one line and the signal's exit status (a stop pressed during the imports
+  would otherwise print a long traceback from inside them); rlhf.pipeline.cli.run_stage installs the handlers that
+  keep checkpoints once the stage starts.
 """
 
 import os
 import signal
 import sys
+from pathlib import Path
 
 
 def _stop_while_starting(signum: int, frame: object) -> None:
@@ -20,3 +23,8 @@ def _stop_while_starting(signum: int, frame: object) -> None:
 if sys.argv[:1] == ["-m"]:
     for _signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_signum, _stop_while_starting)
+    _args = sys.orig_argv[sys.orig_argv.index("-m") + 1:]  # [stages.X, its arguments...]
+    if _args[0].startswith("stages.") and {"-h", "--help"} & set(_args[1:]):
+        from rlhf.pipeline.cli import print_help_and_exit
+
+        print_help_and_exit(_args[0].removeprefix("stages."), Path(__file__).resolve().parents[1])

@@ -12,89 +12,34 @@ Writes  models/dpo/        the trained LM + tokenizer (AutoModelForCausalLM); on
 The reference's log-probs are computed once per pair set by the ref_logprobs stage, so no reference model is held
 while training (rlhf/train/dpo.py). The outputs are replaced together
 when the stage completes, or not at all; with dpo.checkpoint_every a rerun after a kill resumes from the newest
-checkpoint in data/checkpoints/dpo/ to the same result. Its params are the dpo: section below (DpoParams).
+checkpoint in data/checkpoints/dpo/ to the same result.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import Field
 
 from rlhf.models.loading import initial_policy, load_initial_policy, save_pretrained
+from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, run_switchable, write_json
-from rlhf.pipeline.params import load_params
-from rlhf.pipeline.paths import PAIRS_DIR, REF_LOGPROBS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR
-from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params
-from rlhf.pipeline.sections import Rule, Schedule
+from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.paths import DPO_CURVES, DPO_DIR, DPO_METRICS, checkpoint_dir
 from rlhf.train import checkpoint, dpo
-from rlhf.train.precision import pick_device
 from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("dpo")
 
-DPO_DIR = Path("models/dpo")
-DPO_CURVES = Path("metrics/dpo")  # DVCLive's folder
-DPO_METRICS = Path("metrics/dpo.json")
+STAGE = "dpo"
+# what to lower when the GPU runs out of memory
+OUT_OF_MEMORY = "lower dpo.batch_size or dpo.max_length"
 EVAL_BATCH = 64  # pairs per forward pass of the held-out evaluation
 DISABLED = "method is not dpo: evaluate reads the method's own policy"
 
 
-class DpoParams(Schedule):
-    """params.yaml's dpo: section (method dpo; the sample_pairs and ref_logprobs stages read it too)."""
-
-    loss: Literal["dpo", "ipo"]
-    """dpo: -log sigmoid(beta h) (Rafailov et al. 2023), with label_smoothing the conservative cDPO; ipo:
-    (h - 1 / (2 tau))^2 (Azar et al. 2023); h: the chosen minus the rejected log-ratio log pi / pi_ref."""
-    beta: float = Field(gt=0)
-    """DPO's KL coefficient: small lets the policy move far from the reference."""
-    label_smoothing: float = Field(ge=0, lt=0.5)
-    """cDPO: the probability that a pair's label is flipped (0: plain DPO; 0.5 would learn nothing)."""
-    tau: float = Field(gt=0)
-    """IPO's regularisation strength: the target log-ratio margin is 1 / (2 tau) nats per sequence."""
-    pairs: Literal["prepare", "sampled"]
-    """prepare: prepare's data/pairs (a positive against a negative review's opening, the reward model's pairs);
-    sampled: samples_per_prompt completions per train prompt from the initial policy, ranked by the reward scorer
-    (data/sampled_pairs, the DPO paper's IMDb setup)."""
-    samples_per_prompt: int = Field(ge=2)
-    """k: completions sampled per prompt for sampled pairs; every two with different scores make a pair (k = 4: up to
-    6 pairs a prompt)."""
-    sample_prompts: int | None = Field(gt=0)
-    """Train prompts sampled for sampled pairs (the first ones; a tenth of them held out for test pairs); null: all."""
-    batch_size: int = Field(gt=0)
-    """Pairs per optimizer step."""
-    epochs: int = Field(gt=0)
-    """Shuffled passes over the training pairs."""
-    max_length: int = Field(gt=0)
-    """Token cap of prompt + response; responses are cut to fit."""
-
-    def check_with(self, params: Any) -> None:
-        s = params.sft
-        if s.enabled and s.base == "scratch" and self.max_length > s.n_positions:
-            raise Rule("dpo.max_length", f"must fit sft.n_positions ({s.n_positions})", self.max_length)
-
-
-STAGE = Stage(
-    __spec__.name,
-    params=("seed", "method", "model", "sft.enabled", "dpo.loss", "dpo.beta", "dpo.label_smoothing", "dpo.tau",
-            "dpo.pairs", "dpo.learning_rate", "dpo.batch_size", "dpo.epochs", "dpo.max_length", "dpo.warmup_steps",
-            "dpo.max_grad_norm", "dpo.checkpoint_every"),
-    inputs=(PAIRS_DIR, SAMPLED_PAIRS_DIR, REF_LOGPROBS_DIR, SFT_DIR),
-    outputs=(Output(DPO_DIR), Output(DPO_CURVES, cache=False), Output(DPO_METRICS, "metrics", cache=False)),
-    out_of_memory="lower dpo.batch_size or dpo.max_length",
-    section=DpoParams,
-    policy=DPO_DIR,
-)
-
-
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    params = load_params()
+    params = load_params(STAGE)
     run_switchable(STAGE, params.method == "dpo", lambda outputs: train_dpo(params, outputs), DPO_DIR,
                    DISABLED, {DPO_METRICS: '{"trained": false}\n', DPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
 
@@ -108,17 +53,16 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     dpo.check_context(lm, cfg.max_length, what)
     outputs.check_free_space(DPO_DIR, checkpoint.weights_bytes(lm))
     device, precision = pick_device(), params.model.precision
-    config = dpo.DpoConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(dpo.DpoConfig)})
     lm.to(device)
     train_pairs, test_pairs = (
         dataclasses.replace(dpo.encode_pairs(frame, tokenizer, cfg.max_length, str(path)), ref_logprobs=ref)
         for frame, path, ref in zip(frames, dpo.PAIR_FILES[cfg.pairs][1:], ref_logprobs, strict=True))
 
     fingerprint = run_fingerprint(params) if cfg.checkpoint_every else None
-    history = dpo.History(dpo.total_steps(len(train_pairs), config),
-                          lambda: dpo.evaluate(lm, tokenizer, test_pairs, config, device, precision, EVAL_BATCH),
-                          STAGE.checkpoints / f"history-{fingerprint}.jsonl" if fingerprint else None)
-    result = dpo.train(lm, tokenizer, train_pairs, config, device, generator, precision, fingerprint, history)
+    history = dpo.History(dpo.total_steps(len(train_pairs), cfg),
+                          lambda: dpo.evaluate(lm, tokenizer, test_pairs, cfg, device, precision, EVAL_BATCH),
+                          checkpoint_dir(STAGE) / f"history-{fingerprint}.jsonl" if fingerprint else None)
+    result = dpo.train(lm, tokenizer, train_pairs, cfg, device, generator, precision, fingerprint, history)
     held_out = {key: value for key, value in history.rows[-1].items() if key.startswith("eval/")}
 
     save_pretrained(lm, tokenizer, outputs[DPO_DIR])
@@ -133,10 +77,11 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
 
 def run_fingerprint(params: Params) -> str:
     """What determines a dpo run: the params the stage reads (not the checkpoint interval) and its inputs."""
-    path, tokenizer, _ = initial_policy(params)
-    return checkpoint.fingerprint("dpo", params, [dpo.PAIR_FILES[params.dpo.pairs][0], path, tokenizer],
+    initial = initial_policy(params)
+    return checkpoint.fingerprint("dpo", params, [dpo.PAIR_FILES[params.dpo.pairs][0], initial.path,
+                                                  initial.tokenizer],
                                   exclude=("dpo.checkpoint_every",))
 
 
 if __name__ == "__main__":
-    run_stage(main)
+    run_stage(main, OUT_OF_MEMORY)

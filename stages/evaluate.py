@@ -24,26 +24,13 @@ from rlhf.data.prompts import check_prompts, read_prompts
 from rlhf.eval.evaluation import REWARD, evaluate_policy, markdown_report
 from rlhf.eval.plots import histogram
 from rlhf.models.loading import check_vocab_match, load_causal_lm, load_initial_policy
+from rlhf.models.precision import pick_device
 from rlhf.models.scorers import make_reward_scorer, make_scorer, reward_model_path
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import StagedOutputs, write_json, write_parquet, write_text
-from rlhf.pipeline.params import load_params
-from rlhf.pipeline.paths import (
-    EVAL_DIR,
-    EVAL_HISTOGRAM,
-    EVAL_METRICS,
-    EVAL_PROMPTS,
-    EVAL_REPORT,
-    EVAL_REPORT_DIR,
-    EVAL_SAMPLES,
-    PROMPTS_DIR,
-    REWARD_DIR,
-    SFT_DIR,
-)
-from rlhf.pipeline.registry import Output, Stage, policies
-from rlhf.pipeline.schema import EvaluateParams, Params
-from rlhf.train.precision import pick_device
+from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.paths import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_PROMPTS, EVAL_REPORT, EVAL_SAMPLES, POLICIES
 from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("evaluate")
@@ -52,18 +39,9 @@ BEST_OF_N = (" After: for each prompt, the reward's best of {n} reference respon
              "reference's own, so best of 1 is the reference), every judge scoring the chosen one; its KL is the "
              "analytic bound log N - (N-1)/N, not a sample estimate.")
 
-STAGE = Stage(
-    __spec__.name,
-    params=("seed", "method", "model.policy", "model.tokenizer", "model.revision", "model.trust_remote_code",
-            "model.allow_pickle", "sft.enabled", "reward.train", "reward.model", "reward.positive_label",
-            "ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature",
-            "evaluate"),
-    inputs=(PROMPTS_DIR, SFT_DIR, REWARD_DIR),
-    outputs=(Output(EVAL_DIR), Output(EVAL_REPORT_DIR, cache=False), Output(EVAL_METRICS, "metrics", cache=False)),
-    out_of_memory="lower evaluate.batch_size",
-    section=EvaluateParams,
-    reads_policies=True,
-)
+STAGE = "evaluate"
+# what to lower when the GPU runs out of memory
+OUT_OF_MEMORY = "lower evaluate.batch_size"
 
 
 def describe(params: Params, n: int) -> str:
@@ -79,8 +57,7 @@ def describe(params: Params, n: int) -> str:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    params = load_params()
+    params = load_params(STAGE)
     with StagedOutputs.of(STAGE) as outputs:
         evaluate(params, outputs)
 
@@ -121,16 +98,16 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
 
 def after(params: Params) -> str:
     """What the report calls the evaluated policy."""
-    if params.method in policies():
+    if params.method in POLICIES:
         return f"{params.method.upper()} policy"
     return f"best of {params.evaluate.best_of_n} reference samples"
 
 
 def load_policy(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel | None:
     """The trained policy of ``method`` (None for best_of_n, which trains none), checked against the tokenizer."""
-    if params.method not in policies():
+    if params.method not in POLICIES:
         return None
-    folder = policies()[params.method]
+    folder = POLICIES[params.method]
     if not (folder / "config.json").exists():
         raise ModelError(f"{folder}: no trained policy here (run the {params.method} stage)")
     policy = load_causal_lm(str(folder), params.model, what=str(folder))
@@ -139,4 +116,4 @@ def load_policy(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTraine
 
 
 if __name__ == "__main__":
-    run_stage(main)
+    run_stage(main, OUT_OF_MEMORY)

@@ -14,8 +14,8 @@ when the stage completes, or not at all (rlhf/pipeline/io.py's StagedOutputs).
 With ppo.checkpoint_every > 0 the run saves a checkpoint at every rollout-log flush, with copies of the staged rollout
 chunks and curves, and, rerun after a kill, resumes from the newest one (see rlhf/train/checkpoint.py).
 
-ppo.advantage_estimator picks the advantages: gae (PPO with a value head) or a critic-free estimator (the table
-in rlhf/rl/estimators.py, listed below); each step draws ppo.batch_size / ppo.samples_per_prompt prompts and answers
+ppo.advantage_estimator picks the advantages: gae (PPO with a value head) or a critic-free estimator (the records
+in rlhf/rl/advantages.py, listed below); each step draws ppo.batch_size / ppo.samples_per_prompt prompts and answers
 each samples_per_prompt times.
 
 Multi-process: ``accelerate launch --num_processes N -m stages.ppo`` on GPUs, ``torchrun --nproc_per_node N -m
@@ -36,31 +36,19 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.data.prompts import Prompts, check_prompts, read_prompts
 from rlhf.models.loading import check_vocab_match, context_size, initial_tokenizer, load_causal_lm
 from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
+from rlhf.models.precision import pick_device
 from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError, ModelError, interrupted_at
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, write_disabled, write_json
-from rlhf.pipeline.params import load_params
-from rlhf.pipeline.paths import (
-    POLICY_DIR,
-    PPO_CURVES,
-    PPO_METRICS,
-    PROMPTS_DIR,
-    REWARD_DIR,
-    ROLLOUTS_DIR,
-    SFT_DIR,
-    TRAIN_PROMPTS,
-)
-from rlhf.pipeline.ppo_params import PpoParams
-from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params
-from rlhf.rl.ppo_checkpoint import Checkpointing, find_checkpoint
-from rlhf.rl.rollout_log import RolloutWriter, experience_rows
-from rlhf.rl.trainer import PPOTrainer
+from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.paths import POLICY_DIR, PPO_CURVES, PPO_METRICS, ROLLOUTS_DIR, TRAIN_PROMPTS
 from rlhf.train import checkpoint
 from rlhf.train.batches import Batches, ShuffledBatches
-from rlhf.train.precision import pick_device
+from rlhf.train.ppo_checkpoint import Checkpointing, find_checkpoint
+from rlhf.train.ppo_trainer import PPOTrainer
 from rlhf.train.rng import seed_everything
+from rlhf.train.rollout_log import RolloutWriter, rollout_rows
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -70,26 +58,16 @@ log = logging.getLogger("ppo")
 CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
 DISABLED = "method is not ppo: evaluate reads the method's own policy"
 
-STAGE = Stage(
-    __spec__.name,
-    # prompt_max_tokens: ppo checks that the longest prompt plus response fits the policy's positions
-    params=("seed", "method", "model", "sft.enabled", "prepare.prompt_max_tokens", "reward.train", "reward.model",
-            "reward.positive_label", "ppo"),
-    inputs=(PROMPTS_DIR, SFT_DIR, REWARD_DIR),
-    outputs=(Output(POLICY_DIR), Output(ROLLOUTS_DIR), Output(PPO_CURVES, cache=False),
-             Output(PPO_METRICS, "metrics", cache=False)),
-    out_of_memory="lower ppo.batch_size (generation holds the whole batch) or ppo.mini_batch_size (raising "
-                  "ppo.gradient_accumulation_steps keeps the same batch)",
-    section=PpoParams,
-    policy=POLICY_DIR,
-)
+STAGE = "ppo"
+# what to lower when the GPU runs out of memory
+OUT_OF_MEMORY = ("lower ppo.batch_size (generation holds the whole batch) or ppo.mini_batch_size (raising "
+                 "ppo.gradient_accumulation_steps keeps the same batch)")
 
 
 def main() -> None:
     from accelerate import Accelerator
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    params = load_params()
+    params = load_params(STAGE)
     if params.method != "ppo":
         with StagedOutputs.of(STAGE) as outputs:
             write_disabled(outputs, POLICY_DIR, DISABLED, {PPO_METRICS: '{"trained": false}\n',
@@ -151,9 +129,10 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
 def load_models(params: Params,
                 device: torch.device) -> tuple[PolicyWithValueHead, PreTrainedModel, PreTrainedTokenizerBase]:
     """Policy (+ value head), frozen reference and tokenizer, checked against each other and the prompt lengths."""
-    path, what, tokenizer = initial_tokenizer(params)
-    lm = load_causal_lm(path, params.model, what=what)
-    ref = load_causal_lm(path, params.model, what=what)
+    initial, tokenizer = initial_tokenizer(params)
+    what = initial.what
+    lm = load_causal_lm(initial.path, params.model, what=what)
+    ref = load_causal_lm(initial.path, params.model, what=what)
     check_vocab_match(tokenizer, lm, "model.tokenizer")
     longest = params.prepare.prompt_max_tokens + params.ppo.response_max_tokens
     if longest > context_size(lm):
@@ -171,7 +150,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
           outputs: StagedOutputs | None) -> dict[str, float]:
     """The steps after the resumed one (if any) to ppo.steps, logging rollouts and curves (main process, under
     ``outputs``' staging) and checkpointing at each rollout-log flush. Returns the last step's stats."""
-    from rlhf.rl.curves import open_curves  # dvclive's import is slow: only where curves are written
+    from rlhf.train.curves import open_curves  # dvclive's import is slow: only where curves are written
 
     cfg, is_main = trainer.cfg, accelerator.is_main_process
     first, last = (found.step + 1, found.state["last_stats"]) if found is not None else (0, {})
@@ -190,7 +169,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
             if not result.skipped:
                 last = result.stats
                 if is_main:
-                    writer.add(experience_rows(step, result.experience, last["objective/kl_coef"]))
+                    writer.add(rollout_rows(step, result.rollout, last["objective/kl_coef"]))
                     for key, value in last.items():
                         live.log_metric(key, value, plot=True)
                     live.next_step()
@@ -206,4 +185,4 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
 
 
 if __name__ == "__main__":
-    run_stage(main)
+    run_stage(main, OUT_OF_MEMORY)

@@ -22,26 +22,16 @@ from rlhf.data.prepare import build_pairs, build_prompts, generator, read_pairs_
 from rlhf.models.loading import load_tokenizer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import StagedOutputs, atomic_path, write_json
-from rlhf.pipeline.params import load_params
-from rlhf.pipeline.paths import PAIRS_DIR, PREPARE_METRICS, PROMPTS_DIR, RAW
-from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params, PrepareParams
+from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.paths import PAIRS_DIR, PREPARE_METRICS, PROMPTS_DIR
 
 log = logging.getLogger("prepare")
 
-STAGE = Stage(
-    __spec__.name,
-    params=("seed", "data.source", "data.revision", "model.policy", "model.tokenizer", "model.revision",
-            "model.trust_remote_code", "sft.enabled", "sft.base", "prepare"),
-    inputs=(RAW,),
-    outputs=(Output(PROMPTS_DIR), Output(PAIRS_DIR), Output(PREPARE_METRICS, "metrics", cache=False)),
-    section=PrepareParams,
-)
+STAGE = "prepare"
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    params = load_params()
+    params = load_params(STAGE)
     with StagedOutputs.of(STAGE) as outputs:
         prepare(params, outputs)
 

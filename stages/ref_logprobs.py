@@ -14,31 +14,24 @@ from __future__ import annotations
 import logging
 
 from rlhf.models.loading import load_initial_policy
+from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import StagedOutputs, run_switchable
-from rlhf.pipeline.params import load_params
-from rlhf.pipeline.paths import PAIRS_DIR, REF_LOGPROBS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR
-from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.paths import REF_LOGPROBS_DIR
 from rlhf.train import dpo
-from rlhf.train.precision import pick_device
 
 log = logging.getLogger("ref_logprobs")
 
 BATCH = 64  # pairs per forward pass of the reference
 
-STAGE = Stage(
-    __spec__.name,
-    params=("method", "model", "sft.enabled", "dpo.pairs", "dpo.max_length"),
-    inputs=(PAIRS_DIR, SAMPLED_PAIRS_DIR, SFT_DIR),
-    outputs=(Output(REF_LOGPROBS_DIR),),
-    out_of_memory="lower dpo.max_length",
-)
+STAGE = "ref_logprobs"
+# what to lower when the GPU runs out of memory
+OUT_OF_MEMORY = "lower dpo.max_length"
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    params = load_params()
+    params = load_params(STAGE)
     run_switchable(STAGE, params.method == "dpo", lambda outputs: write_reference(params, outputs),
                    REF_LOGPROBS_DIR, "computed only with method dpo", {})
 
@@ -59,4 +52,4 @@ def write_reference(params: Params, outputs: StagedOutputs) -> None:
 
 
 if __name__ == "__main__":
-    run_stage(main)
+    run_stage(main, OUT_OF_MEMORY)

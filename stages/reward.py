@@ -15,38 +15,23 @@ import logging
 from rlhf.data.pairs import read_pairs
 from rlhf.eval.plots import histogram
 from rlhf.models.loading import save_pretrained
+from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
-from rlhf.pipeline.params import load_params
-from rlhf.pipeline.paths import PAIRS_DIR, REWARD_DIR, REWARD_METRICS, REWARD_SCORES, SFT_DIR, TEST_PAIRS, TRAIN_PAIRS
-from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params, RewardParams
+from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.paths import REWARD_DIR, REWARD_METRICS, REWARD_SCORES, TEST_PAIRS, TRAIN_PAIRS
 from rlhf.train.checkpoint import weights_bytes
-from rlhf.train.precision import pick_device
 from rlhf.train.reward_model import build, evaluate, train
 from rlhf.train.rng import seed_everything
 
-STAGE = Stage(
-    __spec__.name,
-    # sft.base: the tokenizer of a from-scratch reward model (params.tokenizer_path); sft.n_*, sft.dropout: its shape
-    params=("seed", "model", "sft.enabled", "sft.base", "sft.n_layer", "sft.n_embd", "sft.n_head", "sft.n_positions",
-            "sft.dropout", "reward.train", "reward.base", "reward.epochs", "reward.learning_rate", "reward.batch_size",
-            "reward.max_length", "reward.margin", "reward.center_coef", "reward.warmup_steps", "reward.max_grad_norm",
-            "reward.checkpoint_every"),
-    inputs=(PAIRS_DIR, SFT_DIR),
-    outputs=(Output(REWARD_DIR),
-             Output(REWARD_SCORES, cache=False, comment="drawn by the top-level reward_model_scores plot (score vs "
-                    "both columns); as a stage plot DVC would draw it a second time, against the row index"),
-             Output(REWARD_METRICS, "metrics", cache=False)),
-    out_of_memory="lower reward.batch_size or reward.max_length",
-    section=RewardParams,
-)
+STAGE = "reward"
+# what to lower when the GPU runs out of memory
+OUT_OF_MEMORY = "lower reward.batch_size or reward.max_length"
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    params = load_params()
+    params = load_params(STAGE)
     run_switchable(STAGE, params.reward.train, lambda outputs: train_reward(params, outputs),
                    REWARD_DIR, "reward.train is false: ppo and evaluate score with reward.model",
                    {REWARD_METRICS: '{"trained": false}\n', REWARD_SCORES: "score,positive,negative\n"})
@@ -78,4 +63,4 @@ def train_reward(params: Params, outputs: StagedOutputs) -> None:
 
 
 if __name__ == "__main__":
-    run_stage(main)
+    run_stage(main, OUT_OF_MEMORY)

@@ -19,23 +19,18 @@ from rlhf.data.prompts import Prompts, check_prompts, read_prompts
 from rlhf.data.sampled_pairs import sample_pairs
 from rlhf.models.decoding import SamplingParams
 from rlhf.models.loading import load_initial_policy
+from rlhf.models.precision import pick_device
 from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_parquet
-from rlhf.pipeline.params import load_params
+from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import (
-    PROMPTS_DIR,
-    REWARD_DIR,
     SAMPLED_PAIRS_DIR,
     SAMPLED_TEST_PAIRS,
     SAMPLED_TRAIN_PAIRS,
-    SFT_DIR,
     TRAIN_PROMPTS,
 )
-from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params
-from rlhf.train.precision import pick_device
 from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("sample_pairs")
@@ -43,19 +38,11 @@ log = logging.getLogger("sample_pairs")
 BATCH = 64  # responses sampled and scored at a time; a constant, as the draws depend on how rows are batched
 TEST_SHARE = 10  # one prompt in TEST_SHARE (the last ones) gives the held-out test pairs
 
-STAGE = Stage(
-    __spec__.name,
-    params=("seed", "method", "model", "sft.enabled", "reward.train", "reward.model", "reward.positive_label",
-            "ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature",
-            "dpo.pairs", "dpo.samples_per_prompt", "dpo.sample_prompts"),
-    inputs=(PROMPTS_DIR, SFT_DIR, REWARD_DIR),
-    outputs=(Output(SAMPLED_PAIRS_DIR),),
-)
+STAGE = "sample_pairs"
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    params = load_params()
+    params = load_params(STAGE)
     enabled = params.method == "dpo" and params.dpo.pairs == "sampled"
     run_switchable(STAGE, enabled, lambda outputs: write_pairs(params, outputs), SAMPLED_PAIRS_DIR,
                    "sampled only with method dpo and dpo.pairs sampled", {})

@@ -17,33 +17,24 @@ import pandas as pd
 
 from rlhf.data.imdb import filter_reviews, load_imdb
 from rlhf.models.loading import check_vocab_match, load_tokenizer, save_pretrained
+from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
-from rlhf.pipeline.params import load_params
-from rlhf.pipeline.paths import RAW, SFT_DIR, SFT_LOSS, SFT_METRICS
-from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.schema import Params, SftParams
+from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.paths import SFT_DIR, SFT_LOSS, SFT_METRICS
 from rlhf.train.checkpoint import weights_bytes
-from rlhf.train.precision import pick_device
 from rlhf.train.rng import seed_everything
 from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
 
 EVAL_BATCH = 16
 
-STAGE = Stage(
-    __spec__.name,
-    params=("seed", "data", "model", "sft"),
-    inputs=(RAW,),
-    outputs=(Output(SFT_DIR), Output(SFT_METRICS, "metrics", cache=False),
-             Output(SFT_LOSS, "plots", cache=False, plot={"x": "step", "y": "loss"})),
-    out_of_memory="lower sft.batch_size (and raise sft.gradient_accumulation_steps to keep the same batch)",
-    section=SftParams,
-)
+STAGE = "sft"
+# what to lower when the GPU runs out of memory
+OUT_OF_MEMORY = "lower sft.batch_size (and raise sft.gradient_accumulation_steps to keep the same batch)"
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    params = load_params()
+    params = load_params(STAGE)
     run_switchable(STAGE, params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
                    "sft.enabled is false: ppo and evaluate use model.policy",
                    {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
@@ -80,4 +71,4 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
 
 
 if __name__ == "__main__":
-    run_stage(main)
+    run_stage(main, OUT_OF_MEMORY)

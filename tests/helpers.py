@@ -18,8 +18,8 @@ from conftest import set_params
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.policy import PolicyWithValueHead, disable_dropout
 from rlhf.pipeline.params import defaults
-from rlhf.pipeline.registry import stage as stage_record
-from rlhf.rl.trainer import PPOTrainer
+from rlhf.pipeline.wiring import wiring
+from rlhf.train.ppo_trainer import PPOTrainer, Rollout
 
 
 def run(project: Path, *command: str) -> subprocess.CompletedProcess:
@@ -58,9 +58,9 @@ def training_project(project: Path, stage: str, imdb_dir: Path, tokenizer_dir: P
 
 
 def snapshot(project: Path, stage: str) -> dict[str, bytes]:
-    """The bytes of every file of ``stage``'s outputs (its stage record) in ``project``."""
+    """The bytes of every file of ``stage``'s outputs (dvc.yaml's) in ``project``."""
     files = {}
-    for output in stage_record(stage).output_paths:
+    for output in wiring(stage, project / "dvc.yaml").outputs:
         path = project / output
         for file in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
             files[file.relative_to(project).as_posix()] = file.read_bytes()
@@ -70,7 +70,7 @@ def snapshot(project: Path, stage: str) -> dict[str, bytes]:
 def leftovers(project: Path, stage: str) -> list[str]:
     """Staging folders, moved-aside outputs and temporaries next to ``stage``'s outputs (a finished run, failed or
     not, leaves none)."""
-    return sorted(item.relative_to(project).as_posix() for output in stage_record(stage).output_paths
+    return sorted(item.relative_to(project).as_posix() for output in wiring(stage, project / "dvc.yaml").outputs
                   if (project / output.parent).is_dir()
                   for item in (project / output.parent).iterdir() if item.name.startswith(f".{output.name}."))
 
@@ -127,3 +127,9 @@ def batch(trainer: PPOTrainer, n: int | None = None) -> tuple[list[list[int]], l
     """``n`` prompts (default: the ppo.prompts_per_step of one step; token ids, texts) cycling through QUERIES."""
     queries = [QUERIES[i % len(QUERIES)] for i in range(n or trainer.cfg.prompts_per_step)]
     return [trainer.tokenizer(q).input_ids for q in queries], queries
+
+
+def make_rollout(trainer: PPOTrainer, query_ids: list[list[int]], queries: list[str]) -> Rollout:
+    """Steps 1-5 of an iteration (generate, score, make the experience), as ``PPOTrainer.step`` runs them."""
+    samples, queries, responses = trainer.generate(query_ids, queries)
+    return trainer.make_experience(samples, queries, responses, trainer.score(samples, queries, responses, step=0))

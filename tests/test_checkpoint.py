@@ -12,14 +12,22 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf.pipeline import registry
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.params import defaults
 from rlhf.train import checkpoint, rng
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def test_fingerprint_follows_params_file_content_and_the_stages_code(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage's params and code as dvc.yaml lists them (a copy of the project standing for the code that runs)."""
+    copy = tmp_path / "project"
+    for name in ("stages", "rlhf"):
+        shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "dvc.yaml", copy / "dvc.yaml")
+    monkeypatch.chdir(copy)
+    monkeypatch.setattr(checkpoint, "ROOT", copy)
     data = tmp_path / "prompts.parquet"
     data.write_bytes(b"one")
     params = defaults()
@@ -33,12 +41,7 @@ def test_fingerprint_follows_params_file_content_and_the_stages_code(tmp_path: P
     data.write_bytes(b"two")
     assert checkpoint.fingerprint("ppo", params, [data]) != base
     data.write_bytes(b"one")
-    # a copy of the project whose PPO math differs: the ppo run's fingerprint changes, sft's does not
-    copy = tmp_path / "project"
-    for package in ("stages", "rlhf"):
-        shutil.copytree(registry.ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(registry, "ROOT", copy)
-    monkeypatch.setattr(checkpoint, "ROOT", copy)
+    # the PPO math changes: the ppo run's fingerprint changes, sft's does not
     sft = checkpoint.fingerprint("sft", params, [data])
     assert checkpoint.fingerprint("ppo", params, [data]) == base
     with open(copy / "rlhf/rl/ppo.py", "a") as f:

@@ -8,7 +8,7 @@ from pathlib import Path
 import dvclive.live
 import pytest
 
-from rlhf.rl.curves import open_curves
+from rlhf.train.curves import open_curves
 
 
 def test_steps_write_dvclive_s_files_without_rereading_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

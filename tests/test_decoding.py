@@ -24,10 +24,10 @@ from rlhf.models.decoding import (
 )
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.policy import position_ids_from
+from rlhf.models.rollout import left_pad
 from rlhf.models.sampling import SamplingParams
 from rlhf.models.static_decoder import StaticDecoder, static_decoding_supports
 from rlhf.pipeline.params import defaults
-from rlhf.rl.rollout import left_pad
 
 SAMPLINGS = [SamplingParams(), SamplingParams(top_k=1), SamplingParams(top_k=20, top_p=0.9, temperature=0.7)]
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}

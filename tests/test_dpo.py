@@ -4,7 +4,6 @@ an interrupted run resumes to the uninterrupted result; sampled pairs are ranked
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 
@@ -16,15 +15,16 @@ from helpers import QUERIES, TokenShareScorer, signal_pairs
 from rlhf.data.sampled_pairs import SAMPLED_PAIR_SCHEMA, sample_pairs
 from rlhf.eval.evaluation import sample_run, score_run
 from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.models.rollout import response_lengths
 from rlhf.models.sampling import SamplingParams
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.params import defaults
-from rlhf.rl.rollout import response_lengths
 from rlhf.train import dpo
 
 CPU = torch.device("cpu")
-CONFIG = dpo.DpoConfig(loss="dpo", beta=0.1, label_smoothing=0.0, tau=0.1, learning_rate=1e-2, batch_size=8,
-                       epochs=1, max_length=24, warmup_steps=2, max_grad_norm=1.0, checkpoint_every=None)
+CONFIG = defaults().dpo.model_copy(update=dict(loss="dpo", beta=0.1, label_smoothing=0.0, tau=0.1, learning_rate=1e-2,
+                                                batch_size=8, epochs=1, max_length=24, warmup_steps=2,
+                                                max_grad_norm=1.0, checkpoint_every=None))
 RESPONSE_TOKENS = (4, 8)
 SAMPLING = SamplingParams()
 PAIR_PROMPTS = QUERIES
@@ -73,7 +73,7 @@ def test_reference_logprobs_are_each_pair_s_own(tiny_gpt2_dir: Path, tokenizer) 
 @pytest.mark.parametrize("loss", ["dpo", "ipo"])
 def test_preference_training_learns_an_obvious_signal(tiny_gpt2_dir: Path, tokenizer, loss: str) -> None:
     reference, lm = load(tiny_gpt2_dir), load(tiny_gpt2_dir)
-    config = dataclasses.replace(CONFIG, loss=loss)
+    config = CONFIG.model_copy(update=dict(loss=loss))
     train = prepared(signal_pairs(64, 0), reference, tokenizer)
     held_out = prepared(signal_pairs(32, 1), reference, tokenizer)
     before = dpo.evaluate(lm, tokenizer, held_out, config, CPU)
@@ -130,7 +130,7 @@ def test_sampled_pairs_rank_as_the_scorer_and_dpo_on_them_raises_its_score(tiny_
         reference, tokenizer, scorer, k), "exactly the pairs of the same draws ranked one by one"
 
     before = mean_score(reference, tokenizer, scorer)
-    config = dataclasses.replace(CONFIG, learning_rate=3e-2, batch_size=16, epochs=2)  # ~210 pairs: 26 steps
+    config = CONFIG.model_copy(update=dict(learning_rate=3e-2, batch_size=16, epochs=2))  # ~210 pairs: 26 steps
     dpo.train(lm, tokenizer, prepared(frame, reference, tokenizer), config, CPU, torch.Generator().manual_seed(0))
     assert mean_score(lm, tokenizer, scorer) > before + 0.1
 
@@ -161,7 +161,7 @@ def interrupt_at(lm, call: int) -> None:
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_gpt2_dir: Path, tokenizer, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    config = dataclasses.replace(CONFIG, checkpoint_every=2)  # 32 pairs: 4 steps, a checkpoint after 2
+    config = CONFIG.model_copy(update=dict(checkpoint_every=2))  # 32 pairs: 4 steps, a checkpoint after 2
     reference = load(tiny_gpt2_dir)
     pairs = prepared(signal_pairs(32, 0), reference, tokenizer)
 

@@ -45,7 +45,8 @@ def dpo_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gpt2_dir: Path
     """A folder with params.yaml (method dpo, the tiny policy), prepare's pairs (64 to train on, 32 held out) and the
     reference's log-probs of them."""
     monkeypatch.chdir(tmp_path)
-    shutil.copy(ROOT / "params.yaml", "params.yaml")
+    for name in ("params.yaml", "dvc.yaml"):
+        shutil.copy(ROOT / name, name)
     # fp32: under bf16 autocast (model.precision auto on a bf16 CPU) a batch and a lone row round differently, by more
     # than the row-for-row check below allows; precision itself is tested in test_training
     set_params(tmp_path, **{"method": "dpo", "model.policy": str(tiny_gpt2_dir), "model.precision": "fp32",
@@ -119,7 +120,7 @@ def test_the_reference_log_probs_are_the_references_row_for_row_and_read_only_fo
         dpo_dir: Path, tiny_gpt2_dir: Path) -> None:
     params = load_params()
     reference = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
-    tokenizer = initial_tokenizer(params)[2]
+    tokenizer = initial_tokenizer(params)[1]
     for path, ref in zip((TRAIN_PAIRS, TEST_PAIRS), dpo_library.read_reference(dpo_library.reference_key(params)),
                          strict=True):
         pairs = dpo_library.encode_pairs(pd.read_parquet(path), tokenizer, params.dpo.max_length, str(path))
@@ -166,7 +167,7 @@ def test_method_dpo_on_sampled_pairs_through_dvc(project: Path, imdb_dir: Path, 
     assert json.loads((project / "metrics/eval.json").read_text())["kl.full_mean"] > 0, "evaluate read models/dpo"
 
     # every pair of one prompt's 4 completions with distinct scores, ranked as the reward scorer ranks them
-    scorer = make_reward_scorer(load_params(project / "params.yaml"), "cpu")
+    scorer = make_reward_scorer(load_params(path=project / "params.yaml"), "cpu")
     train, test = (pd.read_parquet(project / path) for path in (SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS))
     assert train["prompt"].nunique() == 18 and test["prompt"].nunique() == 2
     assert train.groupby("prompt").size().max() <= 6

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import dvc
 
-from rlhf.pipeline.yaml_files import read_yaml
+from rlhf.pipeline.params import read_yaml
 
 
 def stage_plots(spec: dict) -> dict[str, dict]:

@@ -4,13 +4,14 @@ from their papers' formulas, on ragged batches of k samples per prompt."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlhf.rl import advantages as adv
 from rlhf.rl import ppo
-from rlhf.rl.estimators import ESTIMATORS
+from rlhf.rl.advantages import ESTIMATORS
 
 N_PROMPTS, T = 3, 6
 GARBAGE = 1e6  # what padded positions hold: it must never reach a real token
@@ -282,10 +283,21 @@ def test_kl_loss_is_zero_at_the_reference_and_positive_elsewhere() -> None:
     assert ppo.kl_loss(logprobs, logprobs + 0.3 * torch.randn(4, 5, generator=g), mask, 0.1).item() > 0
 
 
-# --- the trainer's entry points: estimate_advantages and ppo_loss without a critic -----------------------------------
+# --- the trainer's entry points: the records' functions and ppo_loss without a critic --------------------------------
 
 
-def test_estimate_advantages_follows_each_paper_from_compute_rewards_output(batch) -> None:
+def settings(k: int, gamma: float = 1.0, lam: float = 0.95, whiten_rewards: bool = False) -> SimpleNamespace:
+    """The ppo params an estimator reads."""
+    return SimpleNamespace(samples_per_prompt=k, gamma=gamma, lam=lam, whiten_rewards=whiten_rewards)
+
+
+def loss_settings(kl_loss_coef: float = 0.0) -> SimpleNamespace:
+    """The ppo params the loss reads."""
+    return SimpleNamespace(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, ratio_threshold=10.0,
+                           kl_loss_coef=kl_loss_coef)
+
+
+def test_each_record_follows_its_paper_from_compute_rewards_output(batch) -> None:
     """From per-token rewards (score on the last real token, -kl_coef * KL on each), each estimator's advantages
     match its paper's reference, with R = the whole sequence's reward."""
     k, mask, g = batch
@@ -294,16 +306,16 @@ def test_estimate_advantages_follows_each_paper_from_compute_rewards_output(batc
     rewards, _, _ = ppo.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
     R = [sum(rewards[i, t].item() for t in real_positions(mask, i)) for i in range(len(mask))]
 
-    advantages, returns = adv.estimate_advantages("rloo", rewards, mask, None, k, 1.0, 0.95)
+    advantages, returns = ESTIMATORS["rloo"].advantages(rewards, mask, None, settings(k, 1.0))
     assert returns is None
     assert_per_sample_on_real_tokens(advantages, mask, rloo_reference(R, k))
-    advantages, returns = adv.estimate_advantages("grpo", rewards, mask, None, k, 1.0, 0.95)
+    advantages, returns = ESTIMATORS["grpo"].advantages(rewards, mask, None, settings(k, 1.0))
     assert returns is None
     assert_per_sample_on_real_tokens(advantages, mask, grpo_reference(R, k, 1e-4))
-    advantages, returns = adv.estimate_advantages("dr_grpo", rewards, mask, None, k, 1.0, 0.95)
+    advantages, returns = ESTIMATORS["dr_grpo"].advantages(rewards, mask, None, settings(k, 1.0))
     assert returns is None
     assert_per_sample_on_real_tokens(advantages, mask, dr_grpo_reference(R, k))
-    advantages, returns = adv.estimate_advantages("reinforce_pp", rewards, mask, None, k, 0.9, 0.95)
+    advantages, returns = ESTIMATORS["reinforce_pp"].advantages(rewards, mask, None, settings(k, 0.9))
     expected_returns, expected_advantages = reinforce_pp_reference(rewards, mask, 0.9)
     for i in range(len(mask)):
         real = real_positions(mask, i)
@@ -311,15 +323,13 @@ def test_estimate_advantages_follows_each_paper_from_compute_rewards_output(batc
         assert advantages[i, real].tolist() == pytest.approx(expected_advantages[i], rel=1e-10, abs=1e-10)
 
 
-def test_estimate_advantages_gae_is_gae_advantages_and_unknown_names_fail() -> None:
+def test_the_gae_record_is_gae_advantages() -> None:
     g = torch.Generator().manual_seed(2)
     mask = ragged_mask(2, "mixed", torch.float32, 4)
     values, rewards = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
-    got = adv.estimate_advantages("gae", rewards, mask, values, 2, 0.9, 0.8, whiten_rewards=True)
+    got = ESTIMATORS["gae"].advantages(rewards, mask, values, settings(2, 0.9, 0.8, whiten_rewards=True))
     expected = adv.gae_advantages(values, rewards, mask, 0.9, 0.8, whiten_rewards=True)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    with pytest.raises(ValueError, match="estimate_advantages: unknown estimator 'ppo'"):
-        adv.estimate_advantages("ppo", rewards, mask, values, 2, 0.9, 0.8)
 
 
 @pytest.mark.parametrize("kl_loss_coef", [0.0, 0.04])
@@ -328,8 +338,8 @@ def test_ppo_loss_without_a_critic_is_the_policy_loss_plus_the_kl_term(kl_loss_c
     mask = ragged_mask(2, "right", torch.bool, 5)
     logprobs, old_logprobs, ref_logprobs, advantages = (torch.randn(mask.shape, generator=g) * 0.3
                                                         for _ in range(4))
-    loss, stats = ppo.ppo_loss(logprobs, None, old_logprobs, None, advantages, None, mask, 0.2, 0.2, 0.1, 10.0,
-                               ref_logprobs, kl_loss_coef)
+    old = ppo.Experience(old_logprobs, ref_logprobs, None, advantages, None, mask)
+    loss, stats = ppo.ppo_loss(logprobs, None, old, loss_settings(kl_loss_coef))
     pg_loss, _ = ppo.policy_loss(logprobs, old_logprobs, advantages, mask, 0.2)
     kl = ppo.kl_loss(logprobs, ref_logprobs, mask, 1.0)
     assert loss.item() == pytest.approx(pg_loss.item() + kl_loss_coef * kl.item(), rel=1e-6)
@@ -342,8 +352,8 @@ def test_ppo_loss_without_a_critic_is_the_policy_loss_plus_the_kl_term(kl_loss_c
 def test_a_skipped_minibatch_skips_the_kl_term_too() -> None:
     mask = torch.ones(2, 3)
     logprobs = torch.full((2, 3), math.log(20.0), requires_grad=True)  # ratio 20 > ratio_threshold
-    loss, stats = ppo.ppo_loss(logprobs, None, torch.zeros(2, 3), None, torch.ones(2, 3), None, mask, 0.2, 0.2, 0.1,
-                               10.0, torch.zeros(2, 3), kl_loss_coef=1.0)
+    old = ppo.Experience(torch.zeros(2, 3), torch.zeros(2, 3), None, torch.ones(2, 3), None, mask)
+    loss, stats = ppo.ppo_loss(logprobs, None, old, loss_settings(kl_loss_coef=1.0))
     loss.backward()
     assert stats["policy/skipped"].item() == 1.0 and loss.item() == 0.0 and (logprobs.grad == 0).all()
     assert stats["loss/kl"].item() > 0  # still reported
@@ -356,6 +366,6 @@ def test_every_estimator_record_dispatches_to_its_function(name: str) -> None:
     g = torch.Generator().manual_seed(4)
     mask = ragged_mask(4, "right", torch.float32, 5)
     rewards = torch.randn(mask.shape, generator=g)
-    runs = [adv.estimate_advantages(name, rewards, mask, torch.randn(mask.shape, generator=g), 2, 1.0, 0.95)[0]
+    runs = [ESTIMATORS[name].advantages(rewards, mask, torch.randn(mask.shape, generator=g), settings(2))[0]
             for _ in range(2)]
     assert torch.equal(runs[0], runs[1]) != ESTIMATORS[name].trains_critic

@@ -13,6 +13,7 @@ import torch
 from conftest import NEUTRAL_WORDS, POSITIVE_WORDS, ROOT, build_tiny_gpt2, set_params
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlhf.models.rollout import response_lengths
 from rlhf.models.scorers import ClassifierScorer, VaderScorer, judge_name
 from rlhf.pipeline.errors import DataError, ModelError, ParamsError
 from rlhf.pipeline.params import defaults
@@ -24,7 +25,6 @@ from rlhf.pipeline.paths import (
     EVAL_SAMPLES,
     POLICY_DIR,
 )
-from rlhf.rl.rollout import response_lengths
 from stages.dpo import DPO_DIR
 from stages.evaluate import main
 
@@ -36,7 +36,8 @@ def stage_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gpt2_dir: Pa
               tiny_classifier_dir: Path) -> Path:
     """A folder with params.yaml (tiny models), data/prompts/eval.parquet and models/policy = the initial policy."""
     monkeypatch.chdir(tmp_path)
-    shutil.copy(ROOT / "params.yaml", "params.yaml")
+    for name in ("params.yaml", "dvc.yaml"):
+        shutil.copy(ROOT / name, name)
     set_params(tmp_path, **{
         "model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
         "evaluate.judges": ["vader", str(tiny_classifier_dir)], "evaluate.batch_size": 4, "evaluate.examples": 3,

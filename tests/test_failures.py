@@ -32,13 +32,13 @@ from rlhf.models.scorers import ClassifierScorer
 from rlhf.pipeline.errors import ModelError, PipelineError
 from rlhf.pipeline.io import StagedOutputs, atomic_path, write_text
 from rlhf.pipeline.params import defaults
-from rlhf.pipeline.registry import stage as stage_record
-from rlhf.pipeline.registry import stage_names
+from rlhf.pipeline.wiring import stages, wiring
 from stages import ppo as ppo_stage
 from stages import reward as reward_stage
 
 FAULT = Path(__file__).parent / "fault.py"
-STAGES = stage_names()
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = list(stages(ROOT / "dvc.yaml"))
 PPO = {"ppo.steps": 4, "ppo.batch_size": 4, "ppo.mini_batch_size": 2, "ppo.checkpoint_every": 2,
        "ppo.response_min_tokens": 3, "ppo.response_max_tokens": 6, "evaluate.batch_size": 4}
 
@@ -71,7 +71,7 @@ def stage_project(project: Path, imdb_dir: Path, tokenizer_dir: Path, tiny_gpt2_
 
 def plant_outputs(project: Path, stage: str) -> dict[str, bytes]:
     """Stand-ins for a previous run's outputs of ``stage`` (a file, or a folder holding one); their snapshot."""
-    for output in stage_record(stage).output_paths:
+    for output in wiring(stage, project / "dvc.yaml").outputs:
         path = project / output
         path.parent.mkdir(parents=True, exist_ok=True)
         if output.suffix:
@@ -166,7 +166,7 @@ LOSS = r"^rlhf/train/sft\.py:train\.<locals>\.loss$"  # one call per micro-batch
      "sft.gradient_accumulation_steps to keep the same batch)", 1),
     ("reward", r"^rlhf/train/reward_model\.py:scores$", 1, "oom",
      "error: out of GPU memory in reward: lower reward.batch_size or reward.max_length", 1),
-    ("evaluate", r"^rlhf/rl/rollout\.py:generate$", 1, "oom",
+    ("evaluate", r"^rlhf/models/rollout\.py:generate$", 1, "oom",
      "error: out of GPU memory in evaluate: lower evaluate.batch_size", 1),
     # a full disk in a writer of a checkpoint (step 1), of the model (the second safetensors file), of a rollout
     # chunk (mid-run)
@@ -177,7 +177,7 @@ LOSS = r"^rlhf/train/sft\.py:train\.<locals>\.loss$"  # one call per micro-batch
      "error: disk full writing data/checkpoints/ppo/step-000001", 1),
     # Ctrl-C before and after the first checkpoint (a real SIGINT: test_resume's kill test)
     ("sft", LOSS, 3, "interrupt", "interrupted at step 2; nothing written", 130),
-    ("ppo", r"^rlhf/rl/trainer\.py:PPOTrainer\.step$", 4, "interrupt",
+    ("ppo", r"^rlhf/train/ppo_trainer\.py:PPOTrainer\.step$", 4, "interrupt",
      "interrupted at step 3; checkpoint data/checkpoints/ppo/step-000001 kept; rerun to resume", 130),
 ], ids=["oom-sft", "oom-reward", "oom-evaluate", "disk-full-model", "disk-full-rollouts", "disk-full-checkpoint",
         "interrupt-sft", "interrupt-ppo"])

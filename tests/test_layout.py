@@ -1,15 +1,15 @@
-"""The README's promises about the repo hold: CI runs the README's test command, the top level is as documented."""
+"""The README's promises about the repo hold: CI runs its test command, dvc.yaml lists the code each stage runs, the
+layers import in one direction as the README writes them down."""
 
 from __future__ import annotations
 
+import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from rlhf.pipeline import registry
+from rlhf.pipeline.wiring import stages, wiring
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,40 +34,88 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert readme_commands()[1] in ci
 
 
-def test_top_level_layout() -> None:
-    for name in ["dvc.yaml", "params.yaml", "stages", "data", "models", "metrics", "tests", "pyproject.toml",
-                 "README.md", ".ci/run", ".dvc/config"]:
-        assert (ROOT / name).exists(), name
+def imports(path: Path) -> set[str]:
+    """Dotted names ``path`` may import, in every form (``import a.b``, ``from a.b import c`` where ``c`` may be a
+    module or a name, relative imports, imports inside functions)."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = [*package[: len(package) - node.level + 1]] if node.level else []
+            module = ".".join(parts + (node.module.split(".") if node.module else []))
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return names
 
 
-def test_dvc_yaml_is_what_the_stage_records_give() -> None:
-    """dvc.yaml's stages are written from the records (STAGE in each script): `python -m tools.dvc_yaml --check`."""
-    result = subprocess.run([sys.executable, "-m", "tools.dvc_yaml", "--check"], cwd=ROOT, capture_output=True,
-                            text=True)
-    assert result.returncode == 0, result.stderr
+def project_imports(path: Path) -> set[str]:
+    """The project's module files ``path`` imports directly, relative to the project ('rlhf/rl/ppo.py')."""
+    files = {name.replace(".", "/") + ".py" for name in imports(path)}
+    return {file for file in files if (ROOT / file).is_file() and not file.endswith("__init__.py")}
 
 
-def test_imported_files_sees_every_import_form(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    core = tmp_path / "rlhf" / "core"
-    core.mkdir(parents=True)
-    for name in ("plain", "aliased", "from_package", "from_module", "relative", "relative_module", "nested", "unused"):
-        (core / f"{name}.py").write_text("")
-    (core / "relative.py").write_text("from . import relative_module\nfrom .nested import x\n")
-    (tmp_path / "stages").mkdir()
-    script = tmp_path / "stages" / "script.py"
-    script.write_text("import rlhf.core.plain\nimport rlhf.core.aliased as a\n"
-                      "from rlhf.core import from_package, missing_name\nfrom rlhf.core.from_module import f\n"
-                      "def g():\n    from rlhf.core import relative\n")
-    monkeypatch.setattr(registry, "ROOT", tmp_path)
-    assert registry.imported_files(script) == {f"rlhf/core/{name}.py" for name in (
-        "plain", "aliased", "from_package", "from_module", "relative", "relative_module", "nested")}
+# the params' ppo section validates ppo.advantage_estimator with the estimators' records; a stage that never runs an
+# estimator does not depend on its math for its outputs, so this edge does not make the RL math every stage's code
+VALIDATION_ONLY = ("rlhf/pipeline/ppo_params.py", "rlhf/rl/advantages.py")
 
 
-def test_editing_the_rl_math_reruns_only_ppo_and_evaluate() -> None:
-    """A stage's code deps are what it imports: the PPO math is no dep of prepare, sft or reward (an SFT rerun costs
-    hours), nor is the estimator functions' module."""
-    for math in ("rlhf/rl/ppo.py", "rlhf/rl/trainer.py"):
-        assert {name for name in registry.stage_names() if math in registry.stage(name).code} <= {"ppo", "evaluate"}
+def code_of(script: str) -> set[str]:
+    """The project's modules ``script`` runs: what it imports, directly or through other project modules."""
+    seen: set[str] = set()
+    todo = [script]
+    while todo:
+        module = todo.pop()
+        for file in project_imports(ROOT / module):
+            if (module, file) != VALIDATION_ONLY and file not in seen:
+                seen.add(file)
+                todo.append(file)
+    return seen
+
+
+@pytest.mark.parametrize("stage", list(stages(ROOT / "dvc.yaml")))
+def test_dvc_yaml_lists_the_code_each_stage_runs(stage: str) -> None:
+    """Editing any module a stage runs reruns it: each is one of its deps in dvc.yaml, or in a folder that is."""
+    deps = wiring(stage, ROOT / "dvc.yaml").deps
+    assert f"stages/{stage}.py" in deps
+    missing = sorted(file for file in code_of(f"stages/{stage}.py")
+                     if not any(file == dep or file.startswith(dep.rstrip("/") + "/") for dep in deps))
+    assert not missing, f"dvc.yaml: stage {stage} runs {missing}, which are not among its deps"
+
+
+def test_editing_the_rl_math_reruns_only_the_stages_that_run_it() -> None:
+    """The PPO math and trainer are no code of prepare, sft or reward (an SFT rerun costs hours): dvc.yaml does not
+    list them there, and the test above holds that those stages do not run them."""
+    for math in ("rlhf/rl/ppo.py", "rlhf/rl/advantages.py", "rlhf/train/ppo_trainer.py"):
+        runs = {name for name in stages(ROOT / "dvc.yaml")
+                if any(math == dep or math.startswith(dep + "/") for dep in wiring(name, ROOT / "dvc.yaml").deps)}
+        assert runs <= {"ppo", "evaluate"}, (math, runs)
+
+
+def layers() -> list[list[str]]:
+    """The layer order the README writes down ('Layers: `a` -> `b`, `c` -> ...'), bottom first."""
+    paragraph = next(part for part in (ROOT / "README.md").read_text().split("\n\n") if part.startswith("Layers:"))
+    order = " ".join(paragraph.split()).split(":", 1)[1].split(". ")[0]
+    return [re.findall(r"`([\w/]+)/?`", part) for part in order.split("->")]
+
+
+def test_layers_import_in_one_direction() -> None:
+    """Each folder imports only the folders before it in the README's order (and itself); the library never imports
+    a stage script, a tool or a benchmark."""
+    rank = {folder: i for i, group in enumerate(layers()) for folder in group}
+    assert {"rlhf/rl", "rlhf/pipeline", "stages", "tools", "bench"} <= set(rank), rank
+
+    def folder(file: str) -> str:
+        return next(name for name in sorted(rank, key=len, reverse=True) if file.startswith(name + "/"))
+
+    wrong = []
+    for path in sorted(p for name in rank for p in (ROOT / name).rglob("*.py")):
+        module = path.relative_to(ROOT).as_posix()
+        for file in project_imports(path):
+            mine, theirs = folder(module), folder(file)
+            if theirs != mine and rank[theirs] >= rank[mine] and not mine.startswith(theirs):
+                wrong.append(f"{module} imports {file}")
+    assert not wrong, "\n".join(wrong)
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -75,7 +123,7 @@ def module_graph() -> dict[str, set[str]]:
     files = [path for package in ("stages", "rlhf", "tools") for path in (ROOT / package).rglob("*.py")]
     graph = {}
     for path in files:
-        names = registry._imports(path)
+        names = imports(path)
         graph[path.relative_to(ROOT).as_posix()] = {
             name.replace(".", "/") + ".py" for name in names if (ROOT / (name.replace(".", "/") + ".py")).is_file()}
     return graph
@@ -100,67 +148,3 @@ def test_no_import_circle() -> None:
 def test_no_module_over_350_lines() -> None:
     long = {name: n for name in module_graph() if (n := len((ROOT / name).read_text().splitlines())) > 350}
     assert not long, long
-
-
-TOY_STAGE = '''"""toy: a new way to train the policy, added by its script alone (and its params.yaml section)."""
-from pathlib import Path
-
-from pydantic import Field
-
-from rlhf.pipeline.paths import SFT_DIR
-from rlhf.pipeline.registry import Output, Stage
-from rlhf.pipeline.sections import Section
-
-TOY_DIR = Path("models/toy")
-
-
-class ToyParams(Section):
-    steps: int = Field(gt=0)
-    """Optimizer steps."""
-
-
-STAGE = Stage(__spec__.name, params=("seed", "method", "toy"), inputs=(SFT_DIR,), outputs=(Output(TOY_DIR),),
-              section=ToyParams, policy=TOY_DIR)
-'''
-
-TOY_CHECKS = '''
-import sys
-from rlhf.pipeline.errors import ParamsError
-from rlhf.pipeline.params import parse_params
-from rlhf.pipeline.registry import stage
-from rlhf.pipeline.schema import methods
-from rlhf.pipeline.yaml_files import read_yaml
-from tools.dvc_yaml import render
-
-raw = read_yaml("params.yaml")
-assert parse_params(raw | {"method": "toy"}).toy.steps == 3
-assert methods() == ["ppo", "dpo", "toy", "best_of_n"], methods()
-for bad, message in (({"toy": {"steps": 0}}, "params.yaml: toy.steps: must be > 0 (got 0)"),
-                     ({"toy": None}, "params.yaml: toy: must be a mapping (got None)")):
-    try:
-        parse_params(raw | bad)
-    except ParamsError as e:
-        assert str(e) == message, str(e)
-    else:
-        sys.exit(f"{bad} passed")
-assert stage("evaluate").deps[-1].as_posix() == "models/toy", stage("evaluate").deps
-dvc_yaml = render(open("dvc.yaml").read())
-assert "  toy:\\n    cmd: python -m stages.toy\\n" in dvc_yaml and "      - toy\\n" in dvc_yaml
-assert "      - models/toy\\n" in dvc_yaml.split("  evaluate:")[1]
-print("ok")
-'''
-
-
-def test_a_new_stage_is_its_script_and_its_params_section(tmp_path: Path) -> None:
-    """A stage added by writing stages/toy.py and its params.yaml section, and nothing else: its params validate
-    (one line per bad value), ``method: toy`` is allowed, evaluate reads its policy and dvc.yaml gets its stage."""
-    files = subprocess.run(["git", "ls-files", "stages", "rlhf", "tools", "params.yaml", "dvc.yaml"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for name in files:
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
-    (tmp_path / "stages" / "toy.py").write_text(TOY_STAGE)
-    with (tmp_path / "params.yaml").open("a") as f:
-        f.write("\ntoy:\n  steps: 3\n")
-    result = subprocess.run([sys.executable, "-c", TOY_CHECKS], cwd=tmp_path, capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from rlhf.models import logprobs as lp
 from rlhf.rl import advantages as estimators
+from rlhf.rl import logprobs as lp
 from rlhf.rl import ppo
 
 B, T, V = 5, 7, 11
@@ -334,8 +335,9 @@ def test_policy_and_value_loss_from_definition(case) -> None:
     g, mask = case
     logprobs, old_logprobs = torch.randn(B, T, generator=g) * 0.3, torch.randn(B, T, generator=g) * 0.3
     advantages, values, old_values, returns = (torch.randn(B, T, generator=g) for _ in range(4))
-    loss, stats = ppo.ppo_loss(logprobs, values, old_logprobs, old_values, advantages, returns, mask, 0.2, 0.1,
-                               0.5, ratio_threshold=10.0)
+    old = ppo.Experience(old_logprobs, old_logprobs, old_values, advantages, returns, mask)
+    cfg = SimpleNamespace(cliprange=0.2, cliprange_value=0.1, vf_coef=0.5, ratio_threshold=10.0, kl_loss_coef=0.0)
+    loss, stats = ppo.ppo_loss(logprobs, values, old, cfg)
     pg, vf, clipped, vclipped, approxkl, policykl, ratios = 0.0, 0.0, 0, 0, 0.0, 0.0, []
     for i in range(B):
         for t in range(T):
@@ -400,8 +402,9 @@ def test_ratio_threshold_skips_the_minibatch() -> None:
 
     def loss_at(ratio: float) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         new = torch.full((2, 3), math.log(ratio), requires_grad=True)
-        loss, stats = ppo.ppo_loss(new, zeros, zeros, zeros, torch.ones(2, 3), torch.ones(2, 3), mask, 0.2, 0.2,
-                                   0.1, ratio_threshold=10.0)
+        old = ppo.Experience(zeros, zeros, zeros, torch.ones(2, 3), torch.ones(2, 3), mask)
+        cfg = SimpleNamespace(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, ratio_threshold=10.0, kl_loss_coef=0.0)
+        loss, stats = ppo.ppo_loss(new, zeros, old, cfg)
         loss.backward()
         return loss, stats, new.grad
 

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import dvc, set_params
 
-from rlhf.pipeline.experiments import as_override, flatten, overlay
-from rlhf.pipeline.params import load_params
-from rlhf.pipeline.yaml_files import read_yaml
+from rlhf.pipeline.params import load_params, read_yaml
+from tools.presets import as_override, flatten, overlay
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "presets").glob("*.yaml"))
@@ -82,7 +81,7 @@ def test_each_preset_runs_prepare_through_real_dvc(preset: str, project: Path, i
     written = flatten(read_yaml(project / "params.yaml"))
     for key, value in flatten(read_yaml(ROOT / "presets" / f"{preset}.yaml")).items():
         assert written[key] == value and type(written[key]) is type(value), key
-    load_params(project / "params.yaml")
+    load_params(path=project / "params.yaml")
 
 
 @pytest.mark.slow
@@ -94,7 +93,7 @@ def test_dvc_set_param_floats_reach_the_stage(project: Path, imdb_dir: Path, tok
     dvc(project, "exp", "run", "-S", "ppo.learning_rate=1e-5", "-S", "ppo.init_kl_coef=5e-3", "prepare")
     text = (project / "params.yaml").read_text()
     assert "learning_rate: 1e-05" in text and "init_kl_coef: 0.005" in text
-    ppo = load_params(project / "params.yaml").ppo
+    ppo = load_params(path=project / "params.yaml").ppo
     assert (ppo.learning_rate, ppo.init_kl_coef) == (1e-05, 0.005)
     assert (project / "metrics/prepare.json").exists()
 

@@ -16,8 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf.data.pairs import read_pairs
 from rlhf.models.loading import load_tokenizer
 from rlhf.pipeline.errors import DataError, ModelError, ParamsError
-from rlhf.pipeline.params import defaults, parse_params
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.params import Params, defaults, parse_params
 from rlhf.train import reward_model, sft
 from stages import reward
 

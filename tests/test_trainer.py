@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TokenShareScorer, batch, make_trainer
+from helpers import TokenShareScorer, batch, make_rollout, make_trainer
 
+from rlhf.models.rollout import forward, response_lengths
 from rlhf.pipeline.errors import TrainingError
 from rlhf.rl import ppo
-from rlhf.rl.estimators import ESTIMATORS
-from rlhf.rl.rollout import forward, response_lengths
-from rlhf.rl.trainer import PPOTrainer
+from rlhf.rl.advantages import ESTIMATORS
+from rlhf.train.ppo_trainer import PPOTrainer
 
 
 class NanScorer(TokenShareScorer):
@@ -61,10 +61,11 @@ def test_critic_free_estimators_learn(tiny_gpt2_dir: Path, estimator: str) -> No
 
 def exact_kl(trainer: PPOTrainer) -> float:
     """Mean over fresh samples of the exact sequence KL(policy || reference), summed over response positions."""
-    exp = trainer.make_experience(*batch(trainer, 64), step=0, timings={})
-    out = forward(trainer.policy, exp.samples, 1.0, keep_logits=True)
-    ref = forward(trainer.ref_policy, exp.samples, 1.0, keep_logits=True)
-    return (ppo.kl_penalty(out.logprobs, ref.logprobs, "full", out.logits, ref.logits) * exp.mask).sum(1).mean().item()
+    rollout = make_rollout(trainer, *batch(trainer, 64))
+    out = forward(trainer.policy, rollout.samples, 1.0, keep_logits=True)
+    ref = forward(trainer.ref_policy, rollout.samples, 1.0, keep_logits=True)
+    kl = ppo.kl_penalty(out.logprobs, ref.logprobs, "full", out.logits, ref.logits)
+    return (kl * rollout.masks).sum(1).mean().item()
 
 
 @pytest.mark.slow
@@ -93,33 +94,33 @@ def test_each_prompt_is_answered_k_times_in_a_row_with_one_length(tiny_gpt2_dir:
     query_ids, queries = batch(trainer)
     assert len(queries) == 16 // k
     lengths = response_lengths(len(queries), 4, 8, copy.deepcopy(trainer.length_generator))
-    exp = trainer.make_experience(query_ids, queries, step=0, timings={})
-    assert exp.queries == [q for q in queries for _ in range(k)]
-    P = exp.samples.context_length
+    rollout = make_rollout(trainer, query_ids, queries)
+    assert rollout.queries == [q for q in queries for _ in range(k)]
+    P = rollout.samples.context_length
     sampled = [trainer.tokenizer.decode(ids[mask.bool()]) for ids, mask in
-               zip(exp.samples.query_responses[:, :P], exp.samples.attention_mask[:, :P], strict=True)]
-    assert sampled == exp.queries
-    for i, n in enumerate(exp.mask.sum(1).tolist()):
-        assert n == lengths[i // k] or (exp.samples.has_eos[i] and n < lengths[i // k])
-    assert len({tuple(r) for r in exp.samples.responses[:k].tolist()}) > 1  # k samples, not one copied
+               zip(rollout.samples.query_responses[:, :P], rollout.samples.attention_mask[:, :P], strict=True)]
+    assert sampled == rollout.queries
+    for i, n in enumerate(rollout.masks.sum(1).tolist()):
+        assert n == lengths[i // k] or (rollout.samples.has_eos[i] and n < lengths[i // k])
+    assert len({tuple(r) for r in rollout.samples.responses[:k].tolist()}) > 1  # k samples, not one copied
     # the leave-one-out advantages of each prompt's k samples sum to 0
-    first = exp.mask.float().argmax(1)  # each row's first real token
-    per_sample = exp.advantages[torch.arange(len(first)), first]
+    first = rollout.masks.float().argmax(1)  # each row's first real token
+    per_sample = rollout.experience.advantages[torch.arange(len(first)), first]
     torch.testing.assert_close(per_sample.view(-1, k).sum(1), torch.zeros(len(queries)), atol=1e-5, rtol=0)
     # no value head: nothing of it in the policy or the optimizer
-    assert trainer.policy.v_head is None and exp.values is None and exp.returns is None
+    assert trainer.policy.v_head is None and rollout.experience.values is None and rollout.experience.returns is None
     trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert trained == {id(p) for p in trainer.policy.lm.parameters()}
 
 
 def test_first_minibatch_ratio_is_one(tiny_gpt2_dir: Path) -> None:
     trainer = make_trainer(tiny_gpt2_dir, ppo_epochs=1, mini_batch_size=16)
-    exp = trainer.make_experience(*batch(trainer), step=0, timings={})
+    rollout = make_rollout(trainer, *batch(trainer))
     with trainer.autocast():  # the rollout's precision (bf16 on CPUs with native bf16 matmuls)
-        out = forward(trainer.policy, exp.samples, trainer.cfg.temperature)
-    ratio = torch.exp(out.logprobs - exp.logprobs)[exp.mask]
+        out = forward(trainer.policy, rollout.samples, trainer.cfg.temperature)
+    ratio = torch.exp(out.logprobs - rollout.experience.logprobs)[rollout.masks]
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
-    stats = trainer.update(exp, step=0)
+    stats = trainer.update(rollout, step=0)
     assert stats["val/ratio"] == pytest.approx(1.0, abs=1e-5)
 
 
@@ -143,7 +144,7 @@ def test_nan_policy_skip_counts_the_batch(tiny_gpt2_dir: Path) -> None:
     trainer = make_trainer(tiny_gpt2_dir, scorer_cls=NanScorer, nan_policy="skip")
     before = copy.deepcopy(trainer.policy.state_dict())
     result = trainer.step(*batch(trainer), step=0)
-    assert result.skipped and result.experience is None
+    assert result.skipped and result.rollout is None
     assert result.stats["ppo/skipped_batches"] == 1.0
     assert all(torch.equal(t, before[k]) for k, t in trainer.policy.state_dict().items())
 
@@ -178,10 +179,10 @@ def test_a_skipped_minibatch_leaves_weights_and_optimizer_state_bit_identical(ti
 def test_experience_stats_mean_what_trls_mean(tiny_gpt2_dir: Path) -> None:
     trainer = make_trainer(tiny_gpt2_dir, ppo_epochs=1)
     result = trainer.step(*batch(trainer), step=0)
-    exp, stats = result.experience, result.stats
-    mask = exp.mask
-    sequences = [(-exp.logprobs[i][mask[i]]).sum().item() for i in range(len(mask))]
+    rollout, stats = result.rollout, result.stats
+    mask = rollout.masks
+    sequences = [(-rollout.experience.logprobs[i][mask[i]]).sum().item() for i in range(len(mask))]
     assert stats["objective/entropy"] == pytest.approx(sum(sequences) / len(sequences), rel=1e-5)
     # TRL 0.11 legacy's ppo/mean_non_score_reward, a per-token mean, follows from ours and the mean length
-    per_token = exp.non_score_reward[mask.bool()].mean().item()
+    per_token = rollout.non_score_reward[mask.bool()].mean().item()
     assert stats["objective/non_score_reward"] / stats["tokens/response_length"] == pytest.approx(per_token, rel=1e-5)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from rlhf.models import precision as training
 from rlhf.models.policy import lm_head
 from rlhf.train import fit
-from rlhf.train import precision as training
 
 
 @pytest.mark.parametrize("present", [(), ("_is_amx_tile_supported",), ("_is_avx512_bf16_supported",)])

@@ -26,6 +26,7 @@ from rlhf.models.loading import initial_tokenizer, load_tokenizer
 from rlhf.models.scorers import ClassifierScorer
 from rlhf.pipeline.errors import ModelError, ParamsError, PipelineError
 from rlhf.pipeline.params import defaults, load_params
+from rlhf.pipeline.wiring import wiring
 from rlhf.train import checkpoint
 
 PPO_CHECKPOINTS = Path("data/checkpoints/ppo")
@@ -38,7 +39,8 @@ def ppo_dir(tmp_path_factory: pytest.TempPathFactory, tiny_gpt2_dir: Path, tiny_
     root = tmp_path_factory.mktemp("inputs")
     for package in ("stages", "rlhf"):
         shutil.copytree(ROOT / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(ROOT / "params.yaml", root / "params.yaml")
+    for name in ("params.yaml", "dvc.yaml"):
+        shutil.copy2(ROOT / name, root / name)
     write_prompts(root, tokenizer_dir)
     set_params(root, **{"model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir), **TINY})
     result = run(root)
@@ -277,14 +279,13 @@ def test_an_empty_tokenizer_folder_is_named_whole_and_never_ignored(tmp_path: Pa
     with pytest.raises(ModelError, match=rf"^model.tokenizer: cannot load a tokenizer from '{empty}'"):
         initial_tokenizer(load_params())
     set_params(tmp_path, **{"model.tokenizer": str(tokenizer_dir)})
-    assert initial_tokenizer(load_params())[0] == "models/sft"
+    assert initial_tokenizer(load_params())[0].path == "models/sft"
 
 
 def test_pairs_files_and_splits_are_named_before_any_review_is_read(tmp_path: Path, tokenizer_dir: Path,
                                                                      imdb_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     from rlhf.pipeline.io import StagedOutputs
-    from rlhf.pipeline.registry import stage
     from stages import prepare
 
     monkeypatch.chdir(tmp_path)
@@ -299,12 +300,12 @@ def test_pairs_files_and_splits_are_named_before_any_review_is_read(tmp_path: Pa
     set_params(tmp_path, **{"data.source": str(tmp_path / "not-imdb"), "model.tokenizer": str(tokenizer_dir),
                             "prepare.pairs_source": "pairs.parquet", "prepare.train_pairs": 256})
     with pytest.raises(PipelineError, match=r"^pairs.parquet: missing column 'rejected'"), \
-            StagedOutputs(stage("prepare").output_paths) as outputs:
+            StagedOutputs(wiring("prepare", ROOT / "dvc.yaml").outputs) as outputs:
         prepare.prepare(load_params(), outputs)  # the data source is missing too: the pairs file is read first
 
     pd.DataFrame({"chosen": ["good"] * 50, "rejected": ["bad"] * 50}).to_parquet("pairs.parquet")
     set_params(tmp_path, **{"data.source": str(imdb_dir), "prepare.train_prompts": 8, "prepare.eval_prompts": 8})
-    with caplog.at_level(logging.INFO), StagedOutputs(stage("prepare").output_paths) as outputs:
+    with caplog.at_level(logging.INFO), StagedOutputs(wiring("prepare", ROOT / "dvc.yaml").outputs) as outputs:
         prepare.prepare(load_params(), outputs)
     assert "45 train / 5 test pairs from prepare.pairs_source pairs.parquet (prepare.train_pairs" in caplog.text
 
@@ -313,7 +314,6 @@ def test_evaluate_names_the_reference_model_when_its_positions_are_too_few(
         ppo_dir: Path, tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rlhf.pipeline.io import StagedOutputs
     from rlhf.pipeline.paths import EVAL_PROMPTS, TRAIN_PROMPTS
-    from rlhf.pipeline.registry import stage
     from stages import evaluate
 
     short = build_tiny_gpt2(tmp_path / "short", tokenizer_dir, n_positions=16)
@@ -323,7 +323,7 @@ def test_evaluate_names_the_reference_model_when_its_positions_are_too_few(
     set_params(ppo_dir, **{"model.policy": str(short), "ppo.response_max_tokens": 13})
     try:
         with pytest.raises(PipelineError, match=r"exceed the 16 positions of the reference model \(model.policy\)$"), \
-                StagedOutputs(stage("evaluate").output_paths) as outputs:
+                StagedOutputs(wiring("evaluate", ROOT / "dvc.yaml").outputs) as outputs:
             evaluate.evaluate(load_params(), outputs)
     finally:
         Path("params.yaml").write_bytes((tmp_path / "params.yaml").read_bytes())

@@ -24,7 +24,8 @@ from typing import Any
 from rlhf.eval.frontier import DEFAULT_SERIES, KINDS, Point, frontier_files, frontier_rows, grid, same, write_frontier
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ParamsError, PipelineError
-from rlhf.pipeline.experiments import (
+from rlhf.pipeline.params import parse_params
+from tools.presets import (
     LOCAL_INPUTS,
     add_input_flags,
     as_override,
@@ -36,7 +37,6 @@ from rlhf.pipeline.experiments import (
     parse_sets,
     run_dvc,
 )
-from rlhf.pipeline.params import parse_params
 
 NO_PRESET = "params"  # the name of a sweep over params.yaml as committed
 # on offline-cpu (BENCHMARKS.md) 0.4 gave 1.7 nats, 0.25 3.7 and 0.1 11.4 (where the policy collapses onto stock

@@ -15,7 +15,8 @@ import shlex
 import sys
 
 from rlhf.pipeline.cli import run_stage
-from rlhf.pipeline.experiments import (
+from rlhf.pipeline.params import PARAMS_FILE, read_yaml
+from tools.presets import (
     add_input_flags,
     as_override,
     copy_inputs,
@@ -26,12 +27,10 @@ from rlhf.pipeline.experiments import (
     run_dvc,
     validate,
 )
-from rlhf.pipeline.params import PARAMS_FILE
-from rlhf.pipeline.yaml_files import read_yaml
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.recipe", description=__doc__.splitlines()[0])
     parser.add_argument("preset", help="a preset name from presets/ (offline-cpu, offline-gpu)")
     add_input_flags(parser)
     parser.add_argument("-S", "--set-param", action="append", default=[], metavar="KEY=VALUE",

@@ -7,11 +7,11 @@ import pyarrow as pa
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.eval.runs import sample_run, score_run
+from rlhf.models.rollout import response_lengths
+from rlhf.models.runs import sample_run, score_run
 from rlhf.models.sampling import SamplingParams
 from rlhf.models.scorers import Scorer
 from rlhf.rl.preference import preference_pairs
-from rlhf.rl.rollout import response_lengths
 
 SAMPLED_PAIR_SCHEMA = pa.schema([
     ("prompt", pa.string()), ("chosen", pa.string()), ("rejected", pa.string()),

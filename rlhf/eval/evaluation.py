@@ -1,5 +1,5 @@
 """Evaluation of the final policy against the reference: sampling both on the same prompts through the training
-code path (rlhf.rl.rollout), scoring, sequence KL, fluency, diversity, the flat metrics, the before/after report.
+code path (rlhf.models.rollout), scoring, sequence KL, fluency, diversity, the flat metrics, the before/after report.
 
 Runs are named after the model that sampled them: ``reference`` (the initial policy, "before") and ``policy`` (the
 trained policy of ``method``, "after"; for best_of_n the reward scorer's best of N reference responses), plus
@@ -18,13 +18,13 @@ import pandas as pd
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.eval.runs import Run, best_of_n_run, sample_run, score_run
-from rlhf.models.logprobs import logprobs_from_logits
+from rlhf.models.rollout import SamplingParams, forward, response_lengths
+from rlhf.models.runs import Run, best_of_n_run, sample_run, score_run
 from rlhf.models.scorers import Scorer
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.params import Params
+from rlhf.rl.logprobs import logprobs_from_logits
 from rlhf.rl.ppo import kl_penalty
 from rlhf.rl.preference import best_of_n_kl
-from rlhf.rl.rollout import SamplingParams, forward, response_lengths
 
 REWARD = "reward"
 VADER = "vader"

@@ -6,9 +6,11 @@ from, so a failure reads ``model.policy: ...`` and the user knows which line of 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,9 @@ from transformers.activations import ACT2FN, NewGELUActivation
 
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import atomic_path
-from rlhf.pipeline.paths import SFT_DIR, is_local, unreachable_hub_id
-from rlhf.pipeline.schema import ModelParams, Params
+from rlhf.pipeline.params import Params
+from rlhf.pipeline.paths import SFT_DIR, is_local
+from rlhf.pipeline.sections import ModelParams
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,34 @@ def _load_kwargs(name: str, model: ModelParams) -> dict[str, Any]:
     if not is_local(name) and model.revision is not None:
         kwargs["revision"] = model.revision
     return kwargs
+
+
+@functools.cache
+def unreachable_hub_id(value: str, repo_type: str) -> str | None:
+    """Why ``value`` (not a local path) cannot be had from the Hub as a ``repo_type`` ('model', 'dataset'); None when
+    it can, or when it is in the local Hub cache (the loader then decides).
+
+    One request and no retries: the loaders' own client retries an unreachable host for half a minute before saying
+    so. An answer other than "no such repository" or "cannot connect" (a gated repo, a rate limit) is left to the
+    loader to report.
+    """
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.file_download import repo_folder_name
+
+    try:
+        if (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=value, repo_type=repo_type)).is_dir():
+            return None
+        if constants.HF_HUB_OFFLINE:
+            return "HF_HUB_OFFLINE is set and it is not in the Hub cache"
+        HfApi().repo_info(value, repo_type=repo_type, timeout=10)
+    except (RepositoryNotFoundError, HFValidationError) as e:
+        return str(e).splitlines()[0]
+    except HfHubHTTPError:
+        return None
+    except Exception as e:  # offline mode, DNS, refused or timed-out connections: each its own type
+        return f"cannot reach the Hub: {str(e).splitlines()[0]}"
+    return None
 
 
 def check_local_dir(name: str, what: str) -> None:
@@ -187,36 +218,46 @@ def check_vocab_match(tokenizer: PreTrainedTokenizerBase, lm: PreTrainedModel, w
         )
 
 
-def initial_policy(params: Params) -> tuple[str, str, str]:
-    """(policy path, tokenizer path, params key) of the initial policy, which is also the frozen reference."""
+@dataclass(frozen=True)
+class InitialPolicy:
+    """The initial policy, also the frozen reference: its weights, its tokenizer, and what messages call it (the
+    params key it came from, or its folder)."""
+
+    path: str
+    tokenizer: str
+    what: str
+
+
+def initial_policy(params: Params) -> InitialPolicy:
+    """models/sft when sft.enabled (its own tokenizer), else model.policy."""
     if params.sft.enabled:
         if not (SFT_DIR / "config.json").exists():
             raise ModelError(f"sft.enabled is true but {SFT_DIR} holds no trained model (run the sft stage)")
-        return str(SFT_DIR), str(SFT_DIR), str(SFT_DIR)
-    return params.model.policy, params.tokenizer_path, "model.policy"
+        return InitialPolicy(str(SFT_DIR), str(SFT_DIR), str(SFT_DIR))
+    return InitialPolicy(params.model.policy, params.tokenizer_path, "model.policy")
 
 
-def initial_tokenizer(params: Params) -> tuple[str, str, PreTrainedTokenizerBase]:
-    """(policy path, params key, tokenizer) of the initial policy. With sft.enabled the tokenizer is the one SFT
-    saved; a model.tokenizer set beside it must be that same tokenizer (one that is not would be ignored)."""
-    path, tokenizer_path, what = initial_policy(params)
-    tokenizer = load_tokenizer(tokenizer_path, params.model, what=what if path == tokenizer_path else
-                               "model.tokenizer")
+def initial_tokenizer(params: Params) -> tuple[InitialPolicy, PreTrainedTokenizerBase]:
+    """The initial policy and its tokenizer. With sft.enabled the tokenizer is the one SFT saved; a model.tokenizer
+    set beside it must be that same tokenizer (one that is not would be ignored)."""
+    initial = initial_policy(params)
+    what = initial.what if initial.path == initial.tokenizer else "model.tokenizer"
+    tokenizer = load_tokenizer(initial.tokenizer, params.model, what=what)
     if params.sft.enabled and params.model.tokenizer:
         named = load_tokenizer(params.model.tokenizer, params.model, what="model.tokenizer")
         if named.get_vocab() != tokenizer.get_vocab():
             raise ModelError(f"model.tokenizer: {params.model.tokenizer} is not the tokenizer {SFT_DIR} was trained "
                              "with (rerun the sft stage)")
-    return path, what, tokenizer
+    return initial, tokenizer
 
 
 def load_initial_policy(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """The initial policy (also the frozen reference) and its tokenizer, checked against each other, and what it is
-    called in messages (``initial_policy``'s key or folder)."""
-    path, what, tokenizer = initial_tokenizer(params)
-    lm = load_causal_lm(path, params.model, what=what)
-    check_vocab_match(tokenizer, lm, what)
-    return lm, tokenizer, what
+    called in messages."""
+    initial, tokenizer = initial_tokenizer(params)
+    lm = load_causal_lm(initial.path, params.model, what=initial.what)
+    check_vocab_match(tokenizer, lm, initial.what)
+    return lm, tokenizer, initial.what
 
 
 def context_size(lm: PreTrainedModel) -> int:

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.loading import save_pretrained
-from rlhf.train.precision import cuda_matmul_precision, full_precision, head_precision
+from rlhf.models.precision import cuda_matmul_precision, full_precision, head_precision
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -65,13 +65,6 @@ class PolicyWithValueHead(nn.Module):
             state |= {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
         save_file({k: v.contiguous() for k, v in state.items()}, folder / VALUE_HEAD_FILE)
 
-    def load_value_head(self, folder: Path) -> None:
-        state = load_file(folder / VALUE_HEAD_FILE)
-        self.v_head.load_state_dict({k.removeprefix("v_head."): v for k, v in state.items() if k.startswith("v_")})
-        if self.critic is not None:
-            self.critic.load_state_dict({k.removeprefix("critic."): v for k, v in state.items()
-                                         if k.startswith("critic.")})
-
 
 def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
     """``folder``, replaced in one rename: the LM loadable by AutoModelForCausalLM, its tokenizer, and the value head
@@ -98,7 +91,7 @@ def lm_head(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     bf16 keeps 8 bits of mantissa: between 64 and 128 its steps are 0.5 apart, so rounding GPT-2's large logits
     would move every log-prob by up to 0.25 nats, no small thing next to a PPO clip range of 0.2. The body may run
     in bf16: the head's dot products average its rounding out, and what they share across tokens cancels in the
-    log-softmax. On CUDA under bf16 autocast the head's matmul runs in TF32 (``training.head_precision``): its
+    log-softmax. On CUDA under bf16 autocast the head's matmul runs in TF32 (``precision.head_precision``): its
     inputs keep 11 significant bits, 3 more than bf16, and the logits stay fp32 (BENCHMARKS.md, "bf16 tolerance").
     """
     device = hidden.device

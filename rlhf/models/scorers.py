@@ -9,8 +9,9 @@ from transformers import PretrainedConfig
 
 from rlhf.models.loading import load_config, load_sequence_classifier, load_tokenizer
 from rlhf.pipeline.errors import ModelError
+from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import REWARD_DIR
-from rlhf.pipeline.schema import ModelParams, Params, judge_name
+from rlhf.pipeline.sections import ModelParams, judge_name
 
 
 class Scorer(Protocol):

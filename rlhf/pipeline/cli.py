@@ -1,44 +1,48 @@
-"""How a stage script runs from the command line: ``--help`` from its record, and every way it can fail turned into one
-line and an exit status (a PipelineError, a full disk or GPU out-of-memory: 1; Ctrl-C: 130). Anything else is a bug
-and keeps its traceback."""
+"""How a stage script or a tool runs from the command line: every way it can fail turned into one line and an exit
+status (a PipelineError, a full disk or GPU out-of-memory: 1; Ctrl-C: 130; SIGTERM: 143), and a stage's ``--help``.
+Anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
+import ast
+import logging
 import signal
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from rlhf.pipeline.errors import PipelineError, is_disk_full, is_out_of_memory
-from rlhf.pipeline.paths import checkpoints, output_path
-from rlhf.pipeline.registry import Stage, stage
-from rlhf.pipeline.schema import params_model
-from rlhf.pipeline.sections import key_doc, read_keys
+from rlhf.pipeline.paths import checkpoint_dir, checkpoints, output_path
 
 
-def stage_help(record: Stage, doc: str) -> str:
-    """``--help``: the script's docstring (what it reads and writes) and the params the stage reads, each key with
-    its doc (a section it reads whole, key by key)."""
-    keys = read_keys(params_model(), record.params)
+def stage_help(stage: str, root: Path) -> str:
+    """``python -m stages.<stage> --help``: the script's docstring (what it reads and writes) and the params that
+    ``root``'s dvc.yaml lists for it, each key with its doc. Reads the script without importing it (no torch)."""
+    from rlhf.pipeline.params import expand, key_doc
+    from rlhf.pipeline.wiring import wiring
+
+    doc = ast.get_docstring(ast.parse((root / "stages" / f"{stage}.py").read_text(encoding="utf-8"))) or ""
+    keys = expand(wiring(stage, root / "dvc.yaml").params)
     width = max(map(len, keys)) + 1
-    params = "\n".join(textwrap.fill(key_doc(params_model(), key), 119, initial_indent=f"  {key:<{width}}",
+    params = "\n".join(textwrap.fill(key_doc(key), 119, initial_indent=f"  {key:<{width}}",
                                       subsequent_indent=" " * (width + 2)) for key in keys)
-    return (f"usage: python -m {record.module} [-h]\n\n{doc.strip()}\n\n"
-            f"Params  (params.yaml; dvc.yaml lists the same)\n{params}\n")
+    return (f"usage: python -m stages.{stage} [-h]\n\n{doc.strip()}\n\n"
+            f"Params  (params.yaml; the keys dvc.yaml lists for {stage})\n{params}\n")
 
 
-def interrupted_message(record: Stage | None, step: int | None) -> str:
+def interrupted_message(stage: str | None, step: int | None) -> str:
     """``interrupted at step N; checkpoint <folder> kept; rerun to resume``, or ``...; nothing written`` (a stage
-    writes its outputs only when it completes); plain ``interrupted`` for a tool that is no stage."""
-    if record is None:
+    writes its outputs only when it completes); plain ``interrupted`` for a tool."""
+    if stage is None:
         return "interrupted"
     where = "" if step is None else f" at step {step}"
-    kept = checkpoints(record.checkpoints)
+    kept = checkpoints(checkpoint_dir(stage))
     return f"interrupted{where}; " + (f"checkpoint {kept[-1]} kept; rerun to resume" if kept else "nothing written")
 
 
-def one_line(error: Exception, record: Stage | None) -> str | None:
+def one_line(error: Exception, stage: str | None, out_of_memory: str | None) -> str | None:
     """What to tell the user about ``error``; None for a bug, which keeps its traceback. A full disk not met inside
     a writer that names its output (io.atomic_path) names the file the OS reported, if any."""
     if isinstance(error, PipelineError):
@@ -47,8 +51,8 @@ def one_line(error: Exception, record: Stage | None) -> str | None:
         filename = getattr(error, "filename", None)
         return (f"disk full writing {output_path(Path(filename))}" if filename
                 else f"disk full ({str(error).splitlines()[0]})")
-    if is_out_of_memory(error) and record is not None and record.out_of_memory:
-        return f"out of GPU memory in {record.name}: {record.out_of_memory}"
+    if is_out_of_memory(error) and out_of_memory:
+        return f"out of GPU memory in {stage}: {out_of_memory}"
     return None
 
 
@@ -67,40 +71,46 @@ def raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def check_no_arguments(record: Stage) -> None:
-    """A stage reads params.yaml only: an argument it would ignore (``--steps 10``) is refused, not dropped."""
-    if sys.argv[1:]:
-        print(f"error: python -m {record.module} takes no arguments but -h (got {' '.join(sys.argv[1:])}): set "
-              "params in params.yaml or with dvc exp run -S key=value", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def run_stage(main: Callable[[], None]) -> None:
-    """Run the ``main`` of a stage script (its module holds the ``STAGE`` record) or of a tool: a PipelineError, a
-    full disk or GPU out-of-memory is ``error: <message>`` and exit status 1; Ctrl-C or SIGTERM one ``interrupted``
-    line and exit status 130 (143). A stage's ``-h`` prints its help; any other argument of a stage is refused
-    (exit status 2)."""
+def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> None:
+    """Run the ``main`` of a stage script (module ``stages.<name>``) or of a tool: a PipelineError, a full disk or GPU
+    out-of-memory (``out_of_memory``: what to lower) is ``error: <message>`` and exit status 1; Ctrl-C or SIGTERM one
+    ``interrupted`` line and exit status 130 (143). A stage takes no argument (``-h`` is answered before it loads:
+    stages/__init__.py): any other is refused (exit status 2), not ignored."""
     module = sys.modules[main.__module__]
     name = module.__spec__.name if module.__spec__ else module.__name__
-    record = stage(name.removeprefix("stages.")) if name.startswith("stages.") else None
-    if record is not None:
-        if {"-h", "--help"} & set(sys.argv[1:]):
-            print(stage_help(record, module.__doc__ or ""), end="")
-            raise SystemExit(0)
-        check_no_arguments(record)
+    stage = name.removeprefix("stages.") if name.startswith("stages.") else None
+    if stage is not None and sys.argv[1:]:
+        print(f"error: python -m stages.{stage} takes no arguments but -h (got {' '.join(sys.argv[1:])}): set "
+              "params in params.yaml or with dvc exp run -S key=value", file=sys.stderr)
+        raise SystemExit(2)
     stop_signals(raise_interrupt)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start = time.perf_counter()
     try:
         main()
+        if stage is not None:
+            logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - start)
     except KeyboardInterrupt as e:
         stop_signals(signal.SIG_IGN)  # a second Ctrl-C must not add a traceback to the one line
-        message = interrupted_message(record, getattr(e, "step", None))
+        message = interrupted_message(stage, getattr(e, "step", None))
         if STOP_SIGNAL[0] != signal.SIGINT:
             message = message.replace("interrupted", f"stopped by {STOP_SIGNAL[0].name}", 1)
         print(message, file=sys.stderr)
         raise SystemExit(128 + STOP_SIGNAL[0]) from None
     except Exception as e:
-        message = one_line(e, record)
+        message = one_line(e, stage, out_of_memory)
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def print_help_and_exit(stage: str, root: Path) -> None:
+    """``-h``/``--help`` of a stage: its help, exit status 0; a PipelineError (no dvc.yaml there) is one line."""
+    try:
+        print(stage_help(stage, root), end="")
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    raise SystemExit(0)
+

@@ -15,7 +15,12 @@ class PipelineError(Exception):
 
 
 class ParamsError(PipelineError):
-    """A params.yaml key is unknown, of the wrong type, or has an impossible value."""
+    """A params.yaml key (``key``, dotted, when it names one) is unknown, missing, of the wrong type, or has an
+    impossible value."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class DataError(PipelineError):

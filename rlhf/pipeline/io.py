@@ -1,10 +1,10 @@
 """Writing outputs so that a stage either completes and replaces all of them, or fails and leaves every previous one
-as it was; and seeding.
+as it was.
 
-- ``StagedOutputs``: a stage declares its outputs (its record's outputs) up front; it holds the stage's lock (one
-  run of a stage per workspace), and checks that their folders are writable and every previous output can be moved
-  aside, before anything loads; everything is written under staging siblings and moved into place together when the
-  stage's block completes, and only then are the stage's checkpoints deleted. A failure (an error, Ctrl-C, a full
+- ``StagedOutputs``: a stage's outputs (dvc.yaml's outs, metrics and plots of the stage); it holds the stage's lock
+  (one run of a stage per workspace), and checks that their folders are writable and every previous output can be
+  moved aside, before anything loads; everything is written under staging siblings and moved into place together when
+  the stage's block completes, and only then are the stage's checkpoints deleted. A failure (an error, Ctrl-C, a full
   disk) deletes the staging and touches no output.
 - ``atomic_path``: one file or folder written to a temporary sibling and renamed into place, with the user's umask,
   a full disk reported as ``disk full writing <output>``.
@@ -21,16 +21,14 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf.pipeline.errors import DiskFull, PipelineError, is_disk_full
-from rlhf.pipeline.paths import output_path, staging_path
-
-if TYPE_CHECKING:
-    from rlhf.pipeline.registry import Stage
+from rlhf.pipeline.paths import CHECKPOINTS_DIR, checkpoint_dir, output_path, staging_path
+from rlhf.pipeline.wiring import wiring
 
 UMASK = os.umask(0o022)
 os.umask(UMASK)
@@ -139,10 +137,10 @@ def check_movable(output: Path) -> None:
     os.replace(aside, output)
 
 
-def lock_stage(stage: Stage) -> int:
+def lock_stage(stage: str) -> int:
     """Hold ``data/checkpoints/.<stage>.lock`` until the process ends (the OS releases it, even after a kill -9), or
     refuse in one line while another process of this workspace holds it. Returns the lock's descriptor."""
-    path = stage.checkpoints.parent / f".{stage.name}.lock"
+    path = CHECKPOINTS_DIR / f".{stage}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~UMASK)
     try:
@@ -150,7 +148,7 @@ def lock_stage(stage: Stage) -> int:
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise PipelineError(f"{stage.name}: another run of this stage is under way in this workspace (pid {holder} "
+        raise PipelineError(f"{stage}: another run of this stage is under way in this workspace (pid {holder} "
                             f"holds {path}); wait for it or stop it") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
@@ -168,20 +166,20 @@ class StagedOutputs:
     Entering checks that every output's folder is writable, takes ``stage``'s lock (when given), clears what a killed
     run left behind and checks that every previous output can be moved aside. ``outputs[path]`` is where to write
     ``path`` (an output or a file inside one). Leaving the block normally replaces every output by its staged version
-    (an output not written is removed), then deletes ``stage``'s checkpoints (its record's folder): a run is
+    (an output not written is removed), then deletes ``stage``'s checkpoints (data/checkpoints/<stage>): a run is
     finished only once its outputs are in place. Leaving it by an exception (Ctrl-C included) deletes the staging and
     touches nothing.
     """
 
-    def __init__(self, outputs: Iterable[Path], stage: Stage | None = None) -> None:
+    def __init__(self, outputs: Iterable[Path], stage: str | None = None) -> None:
         self.outputs = [Path(p) for p in outputs]
         self.stage = stage
         self.lock: int | None = None
 
     @classmethod
-    def of(cls, stage: Stage) -> StagedOutputs:
-        """The outputs of ``stage``'s record, under its lock."""
-        return cls(stage.output_paths, stage)
+    def of(cls, stage: str) -> StagedOutputs:
+        """The outputs dvc.yaml lists for ``stage``, under its lock."""
+        return cls(wiring(stage).outputs, stage)
 
     def __getitem__(self, path: Path) -> Path:
         """Where to write ``path``: one of the outputs, or a file inside an output folder."""
@@ -224,7 +222,7 @@ class StagedOutputs:
                     self.discard()
                     raise
                 if self.stage is not None:
-                    shutil.rmtree(self.stage.checkpoints, ignore_errors=True)  # the run is complete
+                    shutil.rmtree(checkpoint_dir(self.stage), ignore_errors=True)  # the run is complete
             else:
                 self.discard()
         finally:
@@ -268,7 +266,7 @@ class StagedOutputs:
                     backup.unlink()
 
 
-def run_switchable(stage: Stage, enabled: bool, train: Callable[[StagedOutputs], None], folder: Path,
+def run_switchable(stage: str, enabled: bool, train: Callable[[StagedOutputs], None], folder: Path,
                    reason: str, files: dict[Path, str]) -> None:
     """Run a stage that params can switch off, all its outputs replaced together (``StagedOutputs``): ``train`` when
     enabled; else ``folder`` holding one fixed line, so its hash (and everything downstream) stays put, plus ``files``

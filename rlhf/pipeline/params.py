@@ -1,79 +1,260 @@
-"""params.yaml -> typed, validated, frozen ``Params`` (rlhf/pipeline/schema.py): the only config source of the
-pipeline. Every stage calls ``load_params()`` first, before any data or model is loaded; a missing or unknown key, a
-value of the wrong type or an impossible value raises ``ParamsError`` with one line naming the dotted key and the rule.
-Overrides go through DVC (``dvc exp run -S ppo.learning_rate=1e-5``), not through a CLI layer.
+"""params.yaml -> typed, validated, frozen ``Params`` (rlhf/pipeline/sections.py), the only config source of the
+pipeline. A stage calls ``load_params(<stage>)`` first, before any data or model loads: a missing or unknown key, a
+value of the wrong type or an impossible value is one line naming the dotted key and the rule, and the stage may read
+only the keys dvc.yaml lists for it (any other raises, naming it: DVC would not rerun the stage when it changes).
+YAML is read as DVC reads params (ruamel.yaml's safe loader, YAML 1.2: ``1e-5`` is a number, ``yes`` a string).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import ValidationError
+import annotated_types
+from pydantic import Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from ruamel.yaml import YAML, YAMLError
 
 from rlhf.pipeline.errors import ParamsError
-from rlhf.pipeline.messages import message
-from rlhf.pipeline.registry import ROOT, stage
-from rlhf.pipeline.schema import Params, params_model
-from rlhf.pipeline.sections import Section, section_of
-from rlhf.pipeline.yaml_files import read_yaml
+from rlhf.pipeline.ppo_params import PpoParams
+from rlhf.pipeline.sections import (
+    METHODS,
+    DataParams,
+    DpoParams,
+    EvaluateParams,
+    ModelParams,
+    PrepareParams,
+    RewardParams,
+    Rule,
+    Section,
+    SftParams,
+)
+from rlhf.pipeline.wiring import wiring
 
-PARAMS_FILE = "params.yaml"
+PARAMS_FILE = Path("params.yaml")
+ROOT = Path(__file__).resolve().parents[2]  # the project, whose params.yaml holds the defaults
+
+
+class Params(Section):
+    """The whole of params.yaml."""
+
+    seed: int = Field(ge=0)
+    """Seed of every random generator (each output derives its own from it)."""
+    method: Literal[METHODS]  # type: ignore[valid-type]
+    """How the evaluated policy is made from the initial one: ppo (RL against the reward scorer), dpo (DPO or IPO on
+    preference pairs) or best_of_n (no training: the reward scorer's best of evaluate.best_of_n reference samples).
+    The other methods' stages write only a marker."""
+    data: DataParams
+    model: ModelParams
+    prepare: PrepareParams
+    sft: SftParams
+    reward: RewardParams
+    ppo: PpoParams
+    dpo: DpoParams
+    evaluate: EvaluateParams
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The tokenizer every stage uses: model.tokenizer, else the SFT base / policy it belongs to."""
+        if self.model.tokenizer is not None:
+            return self.model.tokenizer
+        if self.sft.enabled and self.sft.base != "scratch":
+            return self.sft.base
+        return self.model.policy
+
+    @model_validator(mode="after")
+    def _rules(self) -> Params:
+        for name in type(self).model_fields:
+            if isinstance(section := getattr(self, name), Section):
+                section.check_with(self)
+        return self
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text as DVC reads params; ``where`` names the text in the one-line error."""
+    try:
+        return YAML(typ="safe").load(text)
+    except YAMLError as e:
+        problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+        line = f"line {mark.line + 1}: " if mark is not None else ""
+        raise ParamsError(f"{where}: not valid YAML: {line}{problem or str(e).strip().splitlines()[0]}") from None
+
+
+def read_yaml(path: Path | str) -> Any:
+    """A YAML file as DVC reads it (params.yaml, presets)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: not found (run from the project root)") from None
+    except UnicodeDecodeError as e:
+        raise ParamsError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
+    return parse_yaml(text, str(path))
+
+
+# --- the declarations ------------------------------------------------------------------------------------------------
+
+
+def section_of(field: FieldInfo) -> type[Section] | None:
+    tp = field.annotation
+    return tp if isinstance(tp, type) and issubclass(tp, Section) else None
+
+
+def declaration(dotted: str, root: type[Section] = Params) -> FieldInfo:
+    """The declaration of a dotted key ('ppo.steps') or section ('ppo')."""
+    model = root
+    *parents, last = dotted.split(".")
+    for name in parents:
+        model = section_of(model.model_fields[name])
+    return model.model_fields[last]
+
+
+def dotted_keys(model: type[Section] = Params, prefix: str = "") -> list[str]:
+    """Every leaf key, dotted, in declaration order ('seed', 'method', 'data.source', ...)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        section = section_of(field)
+        keys += dotted_keys(section, f"{prefix}{name}.") if section else [prefix + name]
+    return keys
+
+
+def expand(entries: tuple[str, ...] | list[str]) -> list[str]:
+    """The dotted keys of params entries (dvc.yaml's), a section's keys in its place."""
+    return [key for entry in entries for key in dotted_keys()
+            if key == entry or key.startswith(entry + ".")]
+
+
+def key_doc(key: str) -> str:
+    """A dotted key's doc on one line (for ``--help``)."""
+    return " ".join((declaration(key).description or "").split())
+
+
+# --- validation ------------------------------------------------------------------------------------------------------
 
 
 def _check_keys(raw: Any, model: type[Section], prefix: str = "") -> None:
     """Unknown keys, then missing ones: params.yaml is DVC's cache key, so every key must be written out (the code has
-    no defaults: a key left out would change results without DVC noticing). A missing key's message gives its doc."""
+    no defaults). A missing key's message gives its doc."""
     if not isinstance(raw, dict):
         return  # validation names the wrong type
     known = model.model_fields
     for key in raw:
         if key not in known:
-            raise ParamsError(f"params.yaml: {prefix}{key}: unknown key (known: {', '.join(sorted(known))})")
+            raise ParamsError(f"params.yaml: {prefix}{key}: unknown key (known: {', '.join(sorted(known))})",
+                              f"{prefix}{key}")
     for name, field in known.items():
         if name not in raw:
             what = "a section" if section_of(field) else " ".join((field.description or "").split())
-            raise ParamsError(f"params.yaml: {prefix}{name}: missing (params.yaml is the DVC cache key: every key "
-                              f"must be written out; {what})")
+            raise ParamsError(f"params.yaml: {prefix}{name}: missing (every key must be written out: params.yaml is "
+                              f"DVC's cache key; {what})", f"{prefix}{name}")
         if section := section_of(field):
             _check_keys(raw[name], section, f"{prefix}{name}.")
+
+
+def _bounds(field: FieldInfo) -> str:
+    """'must be > 0', 'must be in [0, 1)' from a field's declared bounds."""
+    low = high = None
+    for bound in field.metadata:
+        if isinstance(bound, annotated_types.Gt | annotated_types.Ge):
+            low = ("(", bound.gt) if isinstance(bound, annotated_types.Gt) else ("[", bound.ge)
+        elif isinstance(bound, annotated_types.Lt | annotated_types.Le):
+            high = (")", bound.lt) if isinstance(bound, annotated_types.Lt) else ("]", bound.le)
+    if low and high:
+        return f"must be in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+    if low:
+        return f"must be {'>' if low[0] == '(' else '>='} {low[1]:g}"
+    return f"must be {'<' if high[0] == ')' else '<='} {high[1]:g}"
+
+
+TYPE_RULES = {"int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be a bool",
+              "string_type": "must be a str", "model_type": "must be a mapping", "list_type": "must be a list",
+              "finite_number": "must be a finite number", "too_short": "must not be empty"}
+BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def message(error: dict[str, Any]) -> ParamsError:
+    """One pydantic error as ``params.yaml: <dotted key>: <rule> (got <value>)``."""
+    loc, value, kind = error["loc"], error["input"], error["type"]
+    names = [part for part in loc if isinstance(part, str)]
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    hint = ""
+    if kind == "value_error" and isinstance(error["ctx"]["error"], Rule):
+        rule_error = error["ctx"]["error"]
+        key = ".".join(filter(None, [key, rule_error.key]))
+        rule, value = rule_error.rule, rule_error.value
+    elif kind in BOUNDS:
+        rule = _bounds(declaration(".".join(names)))
+    elif kind == "literal_error":
+        rule = "must be one of " + ", ".join(map(str, typing.get_args(declaration(".".join(names)).annotation)))
+    elif kind in TYPE_RULES:
+        rule = TYPE_RULES[kind]
+        number = {"int_type": (int,), "float_type": (int, float)}.get(kind)
+        if number and isinstance(value, str):
+            try:
+                unquoted = parse_yaml(value, "")
+            except ParamsError:
+                unquoted = None
+            if isinstance(unquoted, number) and not isinstance(unquoted, bool):
+                hint = " (a string): write it without quotes"
+    else:
+        rule = error["msg"][0].lower() + error["msg"][1:]
+    return ParamsError(f"params.yaml: {key + ': ' if key else ''}{rule} (got {value!r}{hint})", key or None)
 
 
 def parse_params(raw: Any, root: Path | str = ".") -> Params:
     """Validate a params mapping (as read from params.yaml) into ``Params``; relative paths resolve against root."""
     raw = {} if raw is None else raw
-    model = params_model()
-    _check_keys(raw, model)
+    _check_keys(raw, Params)
     try:
-        return model.model_validate(raw, context={"root": Path(root)})
+        return Params.model_validate(raw, context={"root": Path(root)})
     except ValidationError as e:
-        raise ParamsError(message(e.errors()[0])) from None
+        raise message(e.errors()[0]) from None
 
 
-def load_params(path: Path | str = PARAMS_FILE) -> Params:
-    """Read and validate params.yaml (relative paths in it resolve against its folder)."""
+# --- a stage's view --------------------------------------------------------------------------------------------------
+
+
+def for_stage(params: Params, stage: str, keys: list[str]) -> Params:
+    """``params`` in which only ``keys`` (dotted) can be read: any other field raises ``ParamsError`` naming
+    ``stage`` and the key (Section.__getattr__), so a stage cannot depend on a param DVC does not rerun it for."""
+
+    def view(model: Section, prefix: str) -> Section:
+        values = {}
+        for name in type(model).model_fields:
+            key, value = prefix + name, model.__dict__[name]
+            if isinstance(value, Section):
+                values[name] = view(value, key + ".")
+            elif key in keys:
+                values[name] = value
+        restricted = type(model).model_construct(**values)
+        restricted.__pydantic_private__["_view"] = (stage, prefix)
+        return restricted
+
+    return view(params, "")
+
+
+def stage_values(params: Params, keys: list[str]) -> dict[str, Any]:
+    """{dotted key: value} of ``keys`` (JSON-ready), e.g. for a checkpoint's fingerprint."""
+    values = {}
+    for key in keys:
+        value: Any = params
+        for name in key.split("."):
+            value = getattr(value, name)
+        values[key] = value
+    return values
+
+
+def load_params(stage: str | None = None, *, path: Path | str = PARAMS_FILE) -> Params:
+    """Read and validate params.yaml (relative paths in it resolve against its folder); for ``stage``, its view
+    (``for_stage``) of the keys dvc.yaml lists for it."""
     path = Path(path)
-    return parse_params(read_yaml(path), path.parent)
+    params = parse_params(read_yaml(path), path.parent)
+    return params if stage is None else for_stage(params, stage, expand(wiring(stage).params))
 
 
 @functools.cache
 def defaults() -> Params:
-    """The project's own params.yaml, the one place defaults are written (for tests, benchmarks and tools that start
-    from the defaults)."""
-    return load_params(ROOT / PARAMS_FILE)
-
-
-def stage_params(params: Params, name: str, exclude: Iterable[str] = ()) -> dict[str, Any]:
-    """The values of the params stage ``name`` reads, as {dotted key: value} (JSON-ready), minus ``exclude``."""
-    values = {}
-    for entry in stage(name).params:
-        value: Any = params
-        for name in entry.split("."):
-            value = getattr(value, name)
-        if isinstance(value, Section):
-            values |= {f"{entry}.{key}": v for key, v in value.model_dump().items()}
-        else:
-            values[entry] = value
-    return {key: value for key, value in values.items() if key not in set(exclude)}
+    """The project's own params.yaml, the one place defaults are written (for tests, benchmarks and tools)."""
+    return load_params(path=ROOT / PARAMS_FILE)

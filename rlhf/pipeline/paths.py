@@ -1,17 +1,14 @@
-"""The files and folders the stages share, spelled once, and the one rule for "is this a local path?". A stage's
-outputs that only it and its record name (models/dpo, metrics/dpo.json) are spelled in its script instead.
-
-Paths are relative to the project root, where DVC runs the stages; dvc.yaml, written from the stage records, names
-the same ones.
+"""The files and folders the stages write and read, and the one rule for "is this a local path?". Paths are relative
+to the project root, where DVC runs the stages; dvc.yaml wires them (a stage writes only what its entry there lists).
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 SPLITS = ("train", "test", "unsupervised")  # the IMDb splits a data source holds (a folder: <split>.parquet)
 RAW = Path("data/raw")  # local inputs DVC watches (prepare and sft list it as a dependency)
+RAW_IMDB, RAW_TOKENIZER = RAW / "imdb", RAW / "gpt2-tokenizer"  # where the presets read their local inputs
 PROMPTS_DIR = Path("data/prompts")
 TRAIN_PROMPTS = PROMPTS_DIR / "train.parquet"
 EVAL_PROMPTS = PROMPTS_DIR / "eval.parquet"
@@ -31,6 +28,8 @@ CHECKPOINT_PREFIX = "step-"  # CHECKPOINTS_DIR/<stage>/step-NNNNNN: one checkpoi
 SFT_DIR = Path("models/sft")
 REWARD_DIR = Path("models/reward")
 POLICY_DIR = Path("models/policy")
+DPO_DIR = Path("models/dpo")
+POLICIES = {"ppo": POLICY_DIR, "dpo": DPO_DIR}  # the policy each training method writes (best_of_n trains none)
 
 PREPARE_METRICS = Path("metrics/prepare.json")
 SFT_METRICS = Path("metrics/sft.json")
@@ -39,6 +38,8 @@ REWARD_METRICS = Path("metrics/reward.json")
 REWARD_SCORES = Path("metrics/reward/scores.csv")
 PPO_METRICS = Path("metrics/ppo.json")
 PPO_CURVES = Path("metrics/ppo")  # DVCLive's folder
+DPO_METRICS = Path("metrics/dpo.json")
+DPO_CURVES = Path("metrics/dpo")
 EVAL_METRICS = Path("metrics/eval.json")
 EVAL_REPORT_DIR = Path("metrics/evaluate")
 EVAL_REPORT = EVAL_REPORT_DIR / "report.md"
@@ -60,6 +61,12 @@ def output_path(path: Path) -> Path:
                   for part in path.parts))
 
 
+def checkpoint_dir(stage: str) -> Path:
+    """Where stage ``stage`` keeps its resumable checkpoints (outside DVC's outputs: DVC deletes those before a
+    rerun)."""
+    return CHECKPOINTS_DIR / stage
+
+
 def checkpoints(folder: Path) -> list[Path]:
     """Complete checkpoints in ``folder``, oldest first (temporaries start with a dot and are never listed)."""
     return sorted(folder.glob(f"{CHECKPOINT_PREFIX}[0-9]*")) if folder.is_dir() else []
@@ -77,31 +84,3 @@ def is_local(value: str) -> bool:
     """
     return (Path(value).expanduser().exists() or value.startswith((".", "/", "~")) or value.count("/") > 1
             or Path(value).suffix.lower() in LOCAL_SUFFIXES)
-
-
-@functools.cache
-def unreachable_hub_id(value: str, repo_type: str) -> str | None:
-    """Why ``value`` (not a local path) cannot be had from the Hub as a ``repo_type`` ('model', 'dataset'); None when
-    it can, or when it is in the local Hub cache (the loader then decides).
-
-    One request and no retries: the loaders' own client retries an unreachable host for half a minute before saying
-    so. An answer other than "no such repository" or "cannot connect" (a gated repo, a rate limit) is left to the
-    loader to report.
-    """
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
-    from huggingface_hub.file_download import repo_folder_name
-
-    try:
-        if (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=value, repo_type=repo_type)).is_dir():
-            return None
-        if constants.HF_HUB_OFFLINE:
-            return "HF_HUB_OFFLINE is set and it is not in the Hub cache"
-        HfApi().repo_info(value, repo_type=repo_type, timeout=10)
-    except (RepositoryNotFoundError, HFValidationError) as e:
-        return str(e).splitlines()[0]
-    except HfHubHTTPError:
-        return None
-    except Exception as e:  # offline mode, DNS, refused or timed-out connections: each its own type
-        return f"cannot reach the Hub: {str(e).splitlines()[0]}"
-    return None

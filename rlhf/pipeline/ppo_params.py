@@ -1,5 +1,5 @@
-"""The ``ppo:`` params section: PPO's schedule, KL control, advantage estimator (rlhf/rl/estimators.py), losses,
-score shaping and sampling. The ppo stage's own section (its record names it); its defaults are in params.yaml."""
+"""The ``ppo:`` params section: PPO's schedule, KL control, advantage estimator (whose records, rlhf/rl/advantages.py's
+``ESTIMATORS``, say what each needs), losses, score shaping and sampling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlhf.pipeline.sections import Rule, Section, at_most
-from rlhf.rl.estimators import ESTIMATORS
+from rlhf.rl.advantages import ESTIMATORS
 
 
 class PpoParams(Section):
@@ -17,8 +17,7 @@ class PpoParams(Section):
     learning_rate: float = Field(gt=0)
     """Adam learning rate of the policy (and value head)."""
     weight_decay: float = Field(ge=0)
-    """Decoupled (AdamW) weight decay of the PPO optimizer, on every parameter of the policy and value head. 0 is
-    TRL's PPOTrainer (plain Adam); torch's AdamW default would be 0.01."""
+    """Decoupled (AdamW) weight decay of every policy and value-head parameter; 0 is TRL's PPOTrainer (plain Adam)."""
     batch_size: int = Field(gt=0)
     """Samples (responses) per iteration, per process: batch_size / samples_per_prompt prompts, each answered
     samples_per_prompt times."""
@@ -37,14 +36,13 @@ class PpoParams(Section):
     horizon: float = Field(gt=0)
     """Adaptive KL controller's horizon, in samples."""
     advantage_estimator: Literal[tuple(ESTIMATORS)] = Field(  # type: ignore[valid-type]
-        description="How advantages are computed (R: a sample's score plus its summed KL penalty; "
-                    "rlhf/rl/estimators.py). "
+        description="How advantages are computed (R: a sample's score plus its summed KL penalty). "
                     + ". ".join(f"{name}: {e.summary}" for name, e in ESTIMATORS.items()) + ".")
     samples_per_prompt: int = Field(gt=0)
     """k: responses sampled per prompt in a batch (at least what the estimator's baseline needs)."""
     kl_loss_coef: float = Field(ge=0)
-    """grpo only: weight of GRPO's k3 KL(policy || reference) loss term (the paper: 0.04, with init_kl_coef 0 and
-    adap_kl_ctrl false); 0: off."""
+    """grpo and dr_grpo: weight of GRPO's k3 KL(policy || reference) loss term (the paper: 0.04, with init_kl_coef 0
+    and adap_kl_ctrl false); 0: off."""
     gamma: float = Field(ge=0, le=1)
     """Discount of GAE and of REINFORCE++'s returns."""
     lam: float = Field(ge=0, le=1)
@@ -61,7 +59,7 @@ class PpoParams(Section):
     """Whiten the per-token rewards before GAE."""
     ratio_threshold: float = Field(gt=0)
     """Skip a mini-batch whose mean probability ratio exceeds this: its loss counts 0, and an optimizer step whose
-    every mini-batch is skipped is not taken (weights and optimizer state untouched; ``policy/skipped_steps``)."""
+    every mini-batch is skipped is not taken (``policy/skipped_steps``)."""
     max_grad_norm: float | None = Field(gt=0)
     """Gradient-norm clip of each optimizer step (null: no clipping; the norm is still logged)."""
     use_score_scaling: bool
@@ -85,12 +83,10 @@ class PpoParams(Section):
     disable_dropout: bool
     """Switch dropout off in the policy and the reference."""
     value_model: Literal["shared", "separate"]
-    """'shared': a value head on the policy's backbone; 'separate': a critic model initialised from the policy (gae
-    only)."""
+    """'shared': a value head on the policy's backbone; 'separate': a critic initialised from the policy (gae only)."""
     checkpoint_every: int | None = Field(ge=0)
-    """Steps per rollout-log file and per resumable checkpoint in data/checkpoints/ppo/ (kept outside DVC's outputs,
-    keyed by a fingerprint of the run; a rerun after a kill resumes from the newest). 0 or null: no checkpoints,
-    rollout files of 10 steps."""
+    """Steps per rollout-log file and per resumable checkpoint in data/checkpoints/ppo/ (a rerun after a kill
+    resumes from the newest). 0 or null: no checkpoints, rollout files of 10 steps."""
     nan_policy: Literal["stop", "skip"]
     """On a NaN/inf score, loss or gradient: stop with a message, or skip the batch and count it."""
 
@@ -101,10 +97,6 @@ class PpoParams(Section):
         if self.batch_size % step:
             raise Rule("batch_size", f"must be a multiple of ppo.mini_batch_size x ppo.gradient_accumulation_steps "
                                      f"({step})", self.batch_size)
-        self._estimator_rules()
-        return self
-
-    def _estimator_rules(self) -> None:
         name, k = self.advantage_estimator, self.samples_per_prompt
         estimator = ESTIMATORS[name]
         if k < estimator.min_samples_per_prompt:
@@ -120,6 +112,7 @@ class PpoParams(Section):
         if self.value_model == "separate" and not estimator.trains_critic:
             raise Rule("value_model", f"must be 'shared' with ppo.advantage_estimator {name}, which trains no "
                                       "critic (a separate critic would never be used)", self.value_model)
+        return self
 
     def check_with(self, params: Any) -> None:
         longest = params.prepare.prompt_max_tokens + self.response_max_tokens

@@ -1,21 +1,26 @@
-"""What every params section shares: strict types, the ``Rule`` a broken rule raises (naming its key), Hub ids or
-local paths that must exist, and finding a key's declaration."""
+"""The params sections, declared once: every key of params.yaml with its type, bound and doc, and the rules between
+keys (the ppo section: ppo_params.py; the whole: params.py's ``Params``). Defaults live only in params.yaml (every key
+must be written there: it is DVC's cache key), so nothing here has one. A broken rule raises ``Rule`` naming the key;
+rlhf/pipeline/params.py turns it into one line.
+"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo
-from pydantic.fields import FieldInfo
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, model_validator
 
-from rlhf.pipeline.paths import is_local
+from rlhf.pipeline.errors import ParamsError
+from rlhf.pipeline.paths import SPLITS, is_local
+
+METHODS = ("ppo", "dpo", "best_of_n")  # how the evaluated policy is made; best_of_n trains nothing
 
 
 class Rule(ValueError):
-    """A broken rule, raised inside validation and reported as ``params.yaml: <key>: <rule> (got <value>)``; ``key``
-    is relative to the model that raises it ('' for the field being validated)."""
+    """A broken rule, reported as ``params.yaml: <key>: <rule> (got <value>)``; ``key`` is relative to the model that
+    raises it ('' for the field being validated)."""
 
     def __init__(self, key: str, rule: str, value: Any) -> None:
         super().__init__(rule)
@@ -24,7 +29,7 @@ class Rule(ValueError):
 
 def _exists_if_local(value: str, info: ValidationInfo) -> str:
     """A value written like a local path must exist under the params file's folder (a Hub id cannot be checked
-    offline, and is not). Checked only when validating a params file (``parse_params`` gives the root)."""
+    offline). Checked only when validating a params file (``parse_params`` gives the root)."""
     root = (info.context or {}).get("root")
     if root is not None and is_local(value) and not (Path(root) / Path(value).expanduser()).exists():
         raise Rule("", "local path does not exist", value)
@@ -44,14 +49,23 @@ class Section(BaseModel):
     # strict: a string is never a number and a bool never an int (an int is still accepted for a float)
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
                               use_attribute_docstrings=True)
+    _view: tuple[str, str] | None = PrivateAttr(None)  # (stage, key prefix) of a stage's view, see __getattr__
 
     def check_with(self, params: Any) -> None:
-        """The rules between this section's keys and other sections' (``params``: the whole, validated ``Params``);
-        a broken one raises ``Rule`` with the key from the root ('dpo.max_length')."""
+        """The rules between this section's keys and other sections'; a broken one raises ``Rule`` keyed from the
+        root ('dpo.max_length')."""
+
+    def __getattr__(self, name: str) -> Any:
+        # reached only for a field left out of a stage's view (rlhf/pipeline/params.py, ``for_stage``)
+        if name in type(self).model_fields:
+            stage, prefix = self.__pydantic_private__.get("_view") or ("?", "")
+            raise ParamsError(f"{stage} reads {prefix}{name}, which dvc.yaml does not list among its params (add it "
+                              f"to the {stage} stage's params there)")
+        return super().__getattr__(name)
 
 
 class Schedule(Section):
-    """The keys of every stage trained by the one fit loop (rlhf/train/fit.py): its section's first four."""
+    """The keys of every stage trained by the one fit loop (rlhf/train/fit.py)."""
 
     learning_rate: float = Field(gt=0)
     """Peak AdamW learning rate (warmup, then cosine decay)."""
@@ -69,38 +83,193 @@ def at_most(model: BaseModel, key: str, limit: str, section: str) -> None:
         raise Rule(key, f"must be <= {section}.{limit} ({getattr(model, limit)})", getattr(model, key))
 
 
-def section_of(field: FieldInfo) -> type[Section] | None:
-    tp = field.annotation
-    return tp if isinstance(tp, type) and issubclass(tp, Section) else None
+class DataParams(Section):
+    source: PathOrId
+    """Hub dataset id, a local folder of Parquet splits, a CSV file, or an extracted aclImdb/ folder."""
+    revision: str | None
+    """Hub dataset revision (branch, tag or commit) to pin; ignored for local sources."""
 
 
-def declaration(root: type[Section], dotted: str) -> FieldInfo:
-    """The declaration of a dotted key ('ppo.steps') or section ('ppo') of the ``root`` model."""
-    model = root
-    *parents, last = dotted.split(".")
-    for name in parents:
-        model = section_of(model.model_fields[name])
-    return model.model_fields[last]
+class ModelParams(Section):
+    policy: PathOrId
+    """Initial policy and frozen reference (Hub id or local dir), used when sft.enabled is false."""
+    tokenizer: PathOrId | None
+    """Tokenizer (Hub id or local dir); null means the policy's own."""
+    revision: str | None
+    """Hub revision pinned for every model and tokenizer loaded by id; ignored for local dirs."""
+    trust_remote_code: bool
+    """Run model code shipped inside a Hub repo. Off: only the architectures built into transformers load."""
+    allow_pickle: bool
+    """Accept pickled (.bin) checkpoints, loaded with weights_only=True. Off: safetensors only."""
+    precision: Literal["auto", "fp32", "bf16"]
+    """Training matmuls in bf16 (autocast; PPO's LM head stays fp32, TF32 on CUDA; losses and optimizer fp32) or fp32.
+    auto: bf16 on CUDA and on CPUs with native bf16 matmuls (AMX / AVX-512 BF16), fp32 elsewhere."""
 
 
-def dotted_keys(model: type[Section], prefix: str = "") -> list[str]:
-    """Every leaf key, dotted, in declaration order ('seed', 'data.source', ...)."""
-    keys = []
-    for name, field in model.model_fields.items():
-        section = section_of(field)
-        keys += dotted_keys(section, f"{prefix}{name}.") if section else [prefix + name]
-    return keys
+class PrepareParams(Section):
+    min_review_chars: int = Field(ge=0)
+    """Keep reviews with more than this many characters (the classic recipe's len(text) > 200)."""
+    prompt_min_tokens: int = Field(gt=0)
+    """Shortest prompt prefix, in tokens."""
+    prompt_max_tokens: int = Field(gt=0)
+    """Longest prompt prefix, in tokens; each review's length is drawn uniformly from [min, max]."""
+    train_prompts: int | None = Field(gt=0)
+    """Cap on the number of train prompts; null keeps every review that passes the filter."""
+    eval_prompts: int = Field(gt=0)
+    """Number of held-out prompts drawn from the test split."""
+    pairs_source: PathOrId
+    """'imdb' to build chosen/rejected pairs from the data source, or a local Parquet/JSONL with those columns."""
+    pairs_by_rating: bool
+    """Pair a higher star rating with a lower one (any two ratings) instead of a positive with a negative review."""
+    pair_min_tokens: int = Field(gt=0)
+    """Shortest chosen/rejected snippet, in tokens."""
+    pair_max_tokens: int = Field(gt=0)
+    """Longest chosen/rejected snippet, in tokens."""
+    train_pairs: int = Field(gt=0)
+    """Number of training pairs (from the train split)."""
+    test_pairs: int = Field(gt=0)
+    """Number of held-out pairs (from the test split only)."""
+
+    @model_validator(mode="after")
+    def _rules(self) -> PrepareParams:
+        at_most(self, "prompt_min_tokens", "prompt_max_tokens", "prepare")
+        at_most(self, "pair_min_tokens", "pair_max_tokens", "prepare")
+        source = self.pairs_source
+        if source != "imdb" and not (is_local(source) or Path(source).suffix in (".parquet", ".jsonl")):
+            raise Rule("pairs_source", "must be 'imdb' or a local .parquet/.jsonl file", source)
+        return self
 
 
-def read_keys(root: type[Section], entries: tuple[str, ...]) -> list[str]:
-    """The dotted keys of a stage record's params entries, a section's own keys in its place."""
-    keys = []
-    for entry in entries:
-        section = section_of(declaration(root, entry))
-        keys += dotted_keys(section, f"{entry}.") if section else [entry]
-    return keys
+class SftParams(Schedule):
+    enabled: bool
+    """Train the policy here; ppo, dpo and evaluate then use models/sft as policy and reference, not model.policy."""
+    base: PathOrId
+    """'scratch' (a GPT-2 config from the keys below), a Hub id or a local dir to fine-tune."""
+    n_layer: int = Field(gt=0)
+    """Transformer blocks of a from-scratch model."""
+    n_embd: int = Field(gt=0)
+    """Width of a from-scratch model (a multiple of n_head)."""
+    n_head: int = Field(gt=0)
+    """Attention heads of a from-scratch model."""
+    n_positions: int = Field(gt=0)
+    """Context length of a from-scratch model; must hold block_size and prompt + response lengths."""
+    dropout: float = Field(ge=0, lt=1)
+    """Dropout of a from-scratch model (residual, embedding and attention)."""
+    max_tokens: int = Field(gt=0)
+    """Training budget in tokens (steps = max_tokens // (batch_size * block_size))."""
+    block_size: int = Field(gt=0)
+    """Tokens per packed training block (reviews joined with EOS)."""
+    batch_size: int = Field(gt=0)
+    """Blocks per micro-batch."""
+    gradient_accumulation_steps: int = Field(gt=0)
+    """Micro-batches per optimizer step."""
+    weight_decay: float = Field(ge=0)
+    """AdamW weight decay of the matrices (biases and norms: none)."""
+    splits: list[str] = Field(min_length=1)
+    """Data-source splits to train on (never 'test': that is where perplexity is measured)."""
+    eval_reviews: int = Field(gt=0)
+    """Test-split reviews used for held-out perplexity."""
+
+    @model_validator(mode="after")
+    def _rules(self) -> SftParams:
+        if self.n_embd % self.n_head:
+            raise Rule("n_embd", f"must be divisible by sft.n_head ({self.n_head})", self.n_embd)
+        if self.base == "scratch":
+            at_most(self, "block_size", "n_positions", "sft")
+        if unknown := [split for split in self.splits if split not in SPLITS]:
+            raise Rule("splits", f"unknown split {unknown[0]!r} (known: {', '.join(SPLITS)})", self.splits)
+        if "test" in self.splits:
+            raise Rule("splits", "must not contain 'test' (held out for perplexity)", self.splits)
+        return self
 
 
-def key_doc(root: type[Section], key: str) -> str:
-    """A dotted key's doc on one line (for ``--help``)."""
-    return " ".join((declaration(root, key).description or "").split())
+class RewardParams(Schedule):
+    train: bool
+    """Train a preference reward model here; otherwise reward.model scores the responses."""
+    base: PathOrId
+    """Initialisation when training: 'sft' (models/sft), 'scratch' (the sft.* shape) or a Hub id / local dir."""
+    model: PathOrId
+    """Sentiment classifier whose positive logit is the reward when reward.train is false (Hub id or local dir)."""
+    positive_label: str
+    """Label name of the positive class in reward.model's config (falls back to index 1 when absent)."""
+    epochs: int = Field(gt=0)
+    """Shuffled passes over the training pairs."""
+    batch_size: int = Field(gt=0)
+    """Pairs per optimizer step."""
+    max_length: int = Field(gt=0)
+    """Token cap for a chosen/rejected text."""
+    margin: bool
+    """Subtract a rating-difference margin inside the Bradley-Terry loss (needs ratings in the pairs)."""
+    center_coef: float = Field(ge=0)
+    """Weight of mean((r_chosen + r_rejected)^2) in the loss: keeps scores centred on 0, so 'score > 0' reads as
+    'more positive than the average snippet' (Eisenstein et al. 2023; TRL's center_rewards_coefficient)."""
+
+    def check_with(self, params: Any) -> None:
+        if self.train and self.base == "sft" and not params.sft.enabled:
+            raise Rule("reward.base", "is 'sft' but sft.enabled is false (enable sft or name another base)",
+                       self.base)
+
+
+class DpoParams(Schedule):
+    loss: Literal["dpo", "ipo"]
+    """dpo: -log sigmoid(beta h) (Rafailov et al. 2023), with label_smoothing the conservative cDPO; ipo:
+    (h - 1 / (2 tau))^2 (Azar et al. 2023); h: the chosen minus the rejected log-ratio log pi / pi_ref."""
+    beta: float = Field(gt=0)
+    """DPO's KL coefficient: small lets the policy move far from the reference."""
+    label_smoothing: float = Field(ge=0, lt=0.5)
+    """cDPO: the probability that a pair's label is flipped (0: plain DPO; 0.5 would learn nothing)."""
+    tau: float = Field(gt=0)
+    """IPO's regularisation strength: the target log-ratio margin is 1 / (2 tau) nats per sequence."""
+    pairs: Literal["prepare", "sampled"]
+    """prepare: prepare's data/pairs (a positive against a negative review's opening, the reward model's pairs);
+    sampled: samples_per_prompt completions per train prompt from the initial policy, ranked by the reward scorer
+    (data/sampled_pairs, the DPO paper's IMDb setup)."""
+    samples_per_prompt: int = Field(ge=2)
+    """k: completions sampled per prompt for sampled pairs; every two with different scores make a pair."""
+    sample_prompts: int | None = Field(gt=0)
+    """Train prompts sampled for sampled pairs (the first ones; a tenth of them held out for test pairs); null: all."""
+    batch_size: int = Field(gt=0)
+    """Pairs per optimizer step."""
+    epochs: int = Field(gt=0)
+    """Shuffled passes over the training pairs."""
+    max_length: int = Field(gt=0)
+    """Token cap of prompt + response; responses are cut to fit."""
+
+    def check_with(self, params: Any) -> None:
+        s = params.sft
+        if s.enabled and s.base == "scratch" and self.max_length > s.n_positions:
+            raise Rule("dpo.max_length", f"must fit sft.n_positions ({s.n_positions})", self.max_length)
+
+    @property
+    def reward_coef(self) -> float:
+        """The implicit reward's coefficient: beta for DPO; tau for IPO, whose regulariser is tau KL."""
+        return self.beta if self.loss == "dpo" else self.tau
+
+
+class EvaluateParams(Section):
+    judges: list[PathOrId]
+    """Extra scorers: 'vader' (lexicon, no download) or any sentiment classifier (Hub id or local dir); metrics keys
+    judge.<name>.* use 'vader' or the model's last path component, sanitized ('lvwerra/distilbert-imdb' ->
+    'distilbert-imdb')."""
+    greedy: bool
+    """Also run a greedy-decoding pass of both models and report its scores (keys policy_greedy.*, ...)."""
+    batch_size: int = Field(gt=0)
+    """Prompts per generate/score/forward batch."""
+    examples: int = Field(ge=0)
+    """Before/after examples in the Markdown report."""
+    best_of_n: int = Field(ge=1)
+    """N of method best_of_n: responses sampled from the reference per eval prompt, the reward scorer's best kept."""
+
+    @property
+    def judge_names(self) -> list[str]:
+        """The metrics name of each judge, in order (unique: validation refuses two judges with one name)."""
+        return [judge_name(spec) for spec in self.judges]
+
+    @model_validator(mode="after")
+    def _rules(self) -> EvaluateParams:
+        names = self.judge_names
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise Rule(f"judges[{i}]", f"judge name {name!r} repeats evaluate.judges[{names.index(name)}] (names "
+                                           "are the model's basename; list each judge once)", self.judges[i])
+        return self

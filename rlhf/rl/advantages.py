@@ -1,16 +1,19 @@
-"""Advantage estimators as pure tensor functions, one ``<name>_advantages`` per ``ppo.advantage_estimator`` (their
-records: rlhf/rl/estimators.py): GAE over a critic's values, and the critic-free RLOO, GRPO and REINFORCE++.
+"""Advantage estimators as pure tensor functions, one ``<name>_advantages`` per ``ppo.advantage_estimator``: GAE over
+a critic's values, and the critic-free RLOO, GRPO, Dr. GRPO and REINFORCE++; and ``ESTIMATORS``, one record each
+holding its function, read by the params validation, ``--help`` and the trainer (``ESTIMATORS[name].advantages``).
+Adding an estimator: its function and its record here, its test.
 
 Tensors are (B, T) over response positions with a positive ``mask`` (1 = real token); no I/O, only torch.
 """
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from rlhf.rl.estimators import ESTIMATORS
 from rlhf.rl.ppo import masked_whiten, require_real_tokens
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -142,18 +145,73 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor,
     return gae_advantages(torch.zeros_like(rewards), rewards, mask, gamma, lam=1.0)
 
 
-def estimate_advantages(estimator: str, rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor | None,
-                        k: int, gamma: float, lam: float,
-                        whiten_rewards: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ppo.advantage_estimator's (advantages, returns) from compute_rewards' per-token ``rewards`` (B, T): its
-    function ``<estimator>_advantages`` above (rlhf/rl/estimators.py holds its record), called with the arguments it
-    names. ``sequence_rewards`` is each sample's summed reward (B,), for the estimators that score the whole response
-    as one action; those return no returns (None)."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimate_advantages: unknown estimator {estimator!r} (expected {', '.join(ESTIMATORS)})")
-    function = globals()[f"{estimator}_advantages"]
-    available = {"values": values, "rewards": rewards, "sequence_rewards": rewards.sum(1), "mask": mask, "k": k,
-                 "gamma": gamma, "lam": lam, "whiten_rewards": whiten_rewards}
-    result = function(**{name: available[name] for name in inspect.signature(function).parameters
-                         if name in available})
-    return result if isinstance(result, tuple) else (result, None)
+# ---------------------------------------------------------------------------------------------------------------------
+# the records
+
+
+class AdvantageSettings(Protocol):
+    """The ppo params an estimator reads (the ppo section satisfies it)."""
+
+    samples_per_prompt: int
+    gamma: float
+    lam: float
+    whiten_rewards: bool
+
+
+Advantages = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, AdvantageSettings],
+                      tuple[torch.Tensor, torch.Tensor | None]]
+"""(per-token rewards (B, T) as ``compute_rewards`` gives them, masks, values or None, settings) -> (advantages,
+returns or None); the estimators that score a whole response take its summed reward, ``rewards.sum(1)``."""
+
+CRITIC_KEYS = ("value_model", "vf_coef", "cliprange_value")  # the ppo.* keys only a value head reads
+GROUP_IGNORES = ("gamma", "lam", "whiten_rewards")
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """``advantages``: the estimator's function; ``doc``: what the advantage is, and whose; ``trains_critic``: learns a
+    value head (GAE); ``min_samples_per_prompt``: the k its baseline needs (the prompt's other samples); ``kl_loss``:
+    accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``ignores``: the ppo.* keys it leaves unused besides the
+    critic's."""
+
+    advantages: Advantages
+    doc: str
+    trains_critic: bool = False
+    min_samples_per_prompt: int = 1
+    kl_loss: bool = False
+    ignores: tuple[str, ...] = ()
+
+    @property
+    def unused_keys(self) -> tuple[str, ...]:
+        return (() if self.trains_critic else CRITIC_KEYS) + self.ignores
+
+    @property
+    def summary(self) -> str:
+        """One line for the params docs: the doc and the rules."""
+        rules = [f"k >= {self.min_samples_per_prompt}"] if self.min_samples_per_prompt > 1 else []
+        rules += ["kl_loss_coef allowed"] if self.kl_loss else []
+        return f"{self.doc}; {'value head' if self.trains_critic else 'no critic'}" + "".join(f", {r}" for r in rules)
+
+
+ESTIMATORS = {
+    "gae": Estimator(
+        lambda rewards, masks, values, cfg: gae_advantages(values, rewards, masks, cfg.gamma, cfg.lam,
+                                                           cfg.whiten_rewards),
+        "PPO's value head and GAE (Schulman et al. 2016)", trains_critic=True),
+    "rloo": Estimator(
+        lambda rewards, masks, values, cfg: (rloo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
+        "R_i minus the mean R of the prompt's other k - 1 samples (Ahmadian et al. 2024)",
+        min_samples_per_prompt=2, ignores=GROUP_IGNORES),
+    "grpo": Estimator(
+        lambda rewards, masks, values, cfg: (grpo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
+        "(R_i - mean of the prompt's k samples) / (their std + 1e-4) (Shao et al. 2024)",
+        min_samples_per_prompt=2, kl_loss=True, ignores=GROUP_IGNORES),
+    "dr_grpo": Estimator(
+        lambda rewards, masks, values, cfg: (dr_grpo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
+        "R_i - mean of the prompt's k samples: GRPO without the std (Dr. GRPO, Liu et al. 2025)",
+        min_samples_per_prompt=2, kl_loss=True, ignores=GROUP_IGNORES),
+    "reinforce_pp": Estimator(
+        lambda rewards, masks, values, cfg: reinforce_pp_advantages(rewards, masks, cfg.gamma),
+        "the discounted return-to-go of the per-token rewards, whitened over the batch (REINFORCE++, Hu 2025)",
+        ignores=("lam", "whiten_rewards")),
+}

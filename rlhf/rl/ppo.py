@@ -8,10 +8,14 @@ contiguous run of any length >= 1, padded on the left or the right. The formulas
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
-from rlhf.models.logprobs import in_chunks, upcast
+from rlhf.rl.logprobs import in_chunks, upcast
 
 # ---------------------------------------------------------------------------------------------------------------------
 # masked statistics
@@ -174,29 +178,53 @@ def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, {"val/clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), mask)}
 
 
-def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor | None, old_logprobs: torch.Tensor,
-             old_values: torch.Tensor | None, advantages: torch.Tensor, returns: torch.Tensor | None,
-             mask: torch.Tensor, cliprange: float, cliprange_value: float, vf_coef: float, ratio_threshold: float,
-             ref_logprobs: torch.Tensor | None = None,
-             kl_loss_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """pg_loss + vf_coef * vf_loss + kl_loss_coef * KL; multiplied by 0 (the minibatch skipped) when the mean ratio >
-    ratio_threshold.
+@dataclass
+class Experience:
+    """What the PPO update learns from, one row per sample, per-token tensors (B, T) over the response positions
+    (OpenRLHF's Experience). ``experience[idx]`` is the mini-batch of rows ``idx``."""
 
-    ``values`` None (a critic-free estimator): no value loss and no value stats. ``kl_loss_coef`` > 0 adds GRPO's KL
-    term (``kl_loss``; needs ``ref_logprobs``), its unweighted value logged as ``loss/kl``. Stats are detached 0-dim
-    tensors; ``loss/policy``, ``loss/value`` and ``loss/kl`` keep their values when the loss is skipped.
+    logprobs: torch.Tensor  # of the policy that sampled (the update's "old" policy)
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor | None  # None without a critic
+    advantages: torch.Tensor
+    returns: torch.Tensor | None  # None for the estimators that score a whole response
+    masks: torch.Tensor  # 1 on real response tokens
+
+    def __getitem__(self, idx: torch.Tensor) -> Experience:
+        return Experience(**{field.name: None if (x := getattr(self, field.name)) is None else x[idx]
+                             for field in dataclasses.fields(self)})
+
+
+class LossSettings(Protocol):
+    """The ppo params the loss reads (the ppo section satisfies it)."""
+
+    cliprange: float
+    cliprange_value: float
+    vf_coef: float
+    ratio_threshold: float
+    kl_loss_coef: float
+
+
+def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor | None, old: Experience,
+             cfg: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """pg_loss + vf_coef * vf_loss + kl_loss_coef * KL of the policy's ``logprobs`` (and ``values``) on the samples of
+    the mini-batch ``old``; multiplied by 0 (the mini-batch skipped) when the mean ratio > ratio_threshold.
+
+    ``old.values`` None (a critic-free estimator): no value loss and no value stats. ``kl_loss_coef`` > 0 adds GRPO's
+    KL term (``kl_loss``), its unweighted value logged as ``loss/kl``. Stats are detached 0-dim tensors;
+    ``loss/policy``, ``loss/value`` and ``loss/kl`` keep their values when the loss is skipped.
     """
-    pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, advantages, mask, cliprange)
+    pg_loss, pg_stats = policy_loss(logprobs, old.logprobs, old.advantages, old.masks, cfg.cliprange)
     loss, stats = pg_loss, {"loss/policy": pg_loss.detach()}
-    if values is not None:
-        vf_loss, vf_stats = value_loss(values, old_values, returns, mask, cliprange_value)
-        loss = loss + vf_coef * vf_loss
+    if old.values is not None:
+        vf_loss, vf_stats = value_loss(values, old.values, old.returns, old.masks, cfg.cliprange_value)
+        loss = loss + cfg.vf_coef * vf_loss
         stats |= {"loss/value": vf_loss.detach(), **vf_stats}
-    if kl_loss_coef > 0:
-        kl = kl_loss(logprobs, ref_logprobs, mask, 1.0)
-        loss = loss + kl_loss_coef * kl
+    if cfg.kl_loss_coef > 0:
+        kl = kl_loss(logprobs, old.ref_logprobs, old.masks, 1.0)
+        loss = loss + cfg.kl_loss_coef * kl
         stats["loss/kl"] = kl.detach()
-    skipped = pg_stats["val/ratio"] > ratio_threshold
+    skipped = pg_stats["val/ratio"] > cfg.ratio_threshold
     # multiplying by 0 (not returning a constant) keeps the graph for backward(); a tensor flag avoids a host sync
     loss = loss * (~skipped).to(pg_loss.dtype)
     return loss, stats | {"loss/total": loss.detach(), "policy/skipped": skipped.float(), **pg_stats}

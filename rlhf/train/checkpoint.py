@@ -31,10 +31,9 @@ from safetensors.torch import load_model, save_model
 
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.io import atomic_path, check_writable, require_free_space
-from rlhf.pipeline.params import stage_params
+from rlhf.pipeline.params import Params, expand, stage_values
 from rlhf.pipeline.paths import CHECKPOINT_PREFIX, checkpoints
-from rlhf.pipeline.registry import ROOT, stage
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.wiring import wiring
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +41,8 @@ STATE_FILE = "state.json"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 FILES_DIR = "files"
+CODE = ("stages/", "rlhf/")  # the dvc.yaml deps that are the project's code
+ROOT = Path(__file__).resolve().parents[2]  # the project whose code runs
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq: an AdamW checkpoint holds each weight three times
 
 
@@ -75,17 +76,21 @@ def hash_paths(paths: Iterable[Path | str]) -> str:
 
 def fingerprint(name: str, params: Params, paths: Iterable[Path | str], exclude: Iterable[str] = (),
                 extra: dict[str, Any] | None = None) -> str:
-    """What determines a run of stage ``name``: the params it reads (but ``exclude``) and ``extra``, the content of the
-    existing ``paths`` (inputs; Hub ids are not paths and are pinned by the params), the code the stage runs and the
-    library versions. A code change restarts a run: a checkpoint of other code could not be continued to the same
-    result."""
+    """What determines a run of stage ``name``: the params dvc.yaml lists for it (but ``exclude``) and ``extra``, the
+    content of the existing ``paths`` (inputs; Hub ids are not paths and are pinned by the params), its code deps in
+    dvc.yaml and the library versions. A code change restarts a run: a checkpoint of other code could not be continued
+    to the same result."""
     import transformers
 
-    config = stage_params(params, name, exclude) | (extra or {})
+    wired = wiring(name)
+    config = stage_values(params, [key for key in expand(wired.params) if key not in set(exclude)]) | (extra or {})
     config |= {"torch": torch.__version__, "transformers": transformers.__version__}
     text = json.dumps(config, sort_keys=True, default=str)
     inputs = sorted({Path(p) for p in paths if Path(p).exists()})
-    code = hashlib.sha256(b"".join(file.encode() + (ROOT / file).read_bytes() for file in stage(name).code))
+    code = hashlib.sha256()  # the code dvc.yaml reruns the stage for, as it runs (this project's)
+    for dep in (ROOT / dep for dep in wired.deps if dep.startswith(CODE)):
+        for file in sorted(dep.rglob("*.py")) if dep.is_dir() else [dep]:
+            code.update(file.relative_to(ROOT).as_posix().encode() + file.read_bytes())
     return hashlib.sha256(f"{text}\n{hash_paths(inputs)}\n{code.hexdigest()}".encode()).hexdigest()[:16]
 
 

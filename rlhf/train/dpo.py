@@ -12,7 +12,7 @@ character prefix would be an accident of the two reviews (mostly empty, else a w
 character can split a token.
 
 A batch holds each pair's chosen and rejected response as two rows of one forward pass, in rollout's layout
-(rlhf/rl/rollout.py): prompts left-padded, responses right-padded, the log-probs those of the response tokens.
+(rlhf/models/rollout.py): prompts left-padded, responses right-padded, the log-probs those of the response tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import pandas as pd
 import pyarrow as pa
@@ -34,8 +33,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.data.pairs import read_pairs
 from rlhf.models.loading import context_size, initial_policy
 from rlhf.models.policy import disable_dropout
+from rlhf.models.precision import autocast
+from rlhf.models.rollout import Samples, forward, left_pad
 from rlhf.pipeline.errors import DataError, ModelError
 from rlhf.pipeline.io import DISABLED_MARKER, write_parquet, write_text
+from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import (
     PAIRS_DIR,
     REF_LOGPROBS_DIR,
@@ -45,13 +47,11 @@ from rlhf.pipeline.paths import (
     TEST_PAIRS,
     TRAIN_PAIRS,
 )
-from rlhf.pipeline.schema import Params
+from rlhf.pipeline.sections import DpoParams
 from rlhf.rl import preference as pref
-from rlhf.rl.rollout import Samples, forward, left_pad
 from rlhf.train import checkpoint
 from rlhf.train.batches import ShuffledBatches
 from rlhf.train.fit import FitPlan, FitResult, fit
-from rlhf.train.precision import autocast
 
 SECTION = "dpo"  # the params section: messages name its keys, checkpoints live in data/checkpoints/dpo/
 PAIR_FILES = {"prepare": (PAIRS_DIR, TRAIN_PAIRS, TEST_PAIRS),
@@ -59,29 +59,6 @@ PAIR_FILES = {"prepare": (PAIRS_DIR, TRAIN_PAIRS, TEST_PAIRS),
 REF_FILES = (REF_LOGPROBS_DIR / "train.parquet", REF_LOGPROBS_DIR / "test.parquet")  # row for row the pairs'
 REF_KEY = b"reference_key"  # the Parquet metadata entry holding ``reference_key``
 EVAL_POINTS = 10  # held-out evaluations a run, evenly spaced (the last after the last step)
-
-
-@dataclass(frozen=True)
-class DpoConfig:
-    """The dpo.* params training reads (defaults and docs live in the params module)."""
-
-    loss: Literal["dpo", "ipo"]
-    beta: float  # DPO's KL coefficient
-    label_smoothing: float  # cDPO's label-flip probability, in [0, 0.5)
-    tau: float  # IPO's regularisation strength
-    learning_rate: float
-    batch_size: int  # pairs per optimizer step
-    epochs: int
-    max_length: int  # prompt + response tokens; responses are cut to fit
-    warmup_steps: int
-    max_grad_norm: float
-    checkpoint_every: int | None  # steps; None or 0: no checkpoints
-
-    @property
-    def reward_coef(self) -> float:
-        """The implicit reward's coefficient: beta for DPO; tau for IPO, whose regulariser is tau KL (TRL's ``ipo``
-        uses its beta, which plays tau, the same way)."""
-        return self.beta if self.loss == "dpo" else self.tau
 
 
 @dataclass
@@ -120,8 +97,9 @@ def check_context(lm: PreTrainedModel, max_length: int, what: str) -> None:
 def reference_key(params: Params) -> str:
     """What the reference's log-probs of dpo.pairs depend on: the ref_logprobs stage's params, the pair files, the
     reference and its tokenizer, and the code. The dpo stage reads them only under the key they were written with."""
-    path, tokenizer, _ = initial_policy(params)
-    return checkpoint.fingerprint("ref_logprobs", params, [PAIR_FILES[params.dpo.pairs][0], path, tokenizer])
+    initial = initial_policy(params)
+    return checkpoint.fingerprint("ref_logprobs", params, [PAIR_FILES[params.dpo.pairs][0], initial.path,
+                                                           initial.tokenizer])
 
 
 def write_reference(ref_logprobs: torch.Tensor, path: Path, key: str) -> None:
@@ -171,7 +149,7 @@ class History:
                 f.write(json.dumps(row) + "\n")
 
     def write_curves(self, folder: Path) -> None:
-        from rlhf.rl.curves import open_curves  # dvclive's import is slow: only where curves are written
+        from rlhf.train.curves import open_curves  # dvclive's import is slow: only where curves are written
 
         with open_curves(folder, resume=False) as live:
             for row in self.rows or []:
@@ -242,7 +220,7 @@ def with_reference(pairs: PairSet, reference: PreTrainedModel, tokenizer: PreTra
 
 
 def pair_losses(lm: PreTrainedModel, pairs: PairSet, idx: list[int], tokenizer: PreTrainedTokenizerBase,
-                config: DpoConfig, device: torch.device, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+                config: DpoParams, device: torch.device, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """((b,) per-pair losses, (b, 2) policy sequence log-probs of (chosen, rejected)) of the pairs ``idx``."""
     logprobs = sequence_logprobs(lm, pair_samples(pairs, idx, tokenizer, device), precision).view(2, -1).T
     ref = pairs.ref_logprobs[idx].to(device)
@@ -260,7 +238,7 @@ def _require_reference(pairs: PairSet, caller: str) -> None:
 
 
 def pair_stats(losses: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-               config: DpoConfig) -> dict[str, float]:
+               config: DpoParams) -> dict[str, float]:
     """Means over pairs of (N,) losses and of (N, 2) policy and reference sequence log-probs of (chosen, rejected):
     the loss, and named as TRL's DPOTrainer logs them, the implicit rewards of chosen and rejected, their accuracy
     and margin and the policy's log-probs; plus the log-ratios log pi / pi_ref of chosen and rejected."""
@@ -280,12 +258,12 @@ def pair_stats(losses: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch
     }
 
 
-def total_steps(n_pairs: int, config: DpoConfig) -> int:
+def total_steps(n_pairs: int, config: DpoParams) -> int:
     """Optimizer steps of a run over ``n_pairs`` training pairs: full batches only."""
     return config.epochs * (n_pairs // config.batch_size)
 
 
-def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoConfig,
+def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoParams,
           device: torch.device, generator: torch.Generator, precision: str = "fp32", fingerprint: str | None = None,
           after_step: Callable[[int, dict[str, float]], None] | None = None) -> FitResult:
     """``config.epochs`` passes over ``pairs`` (reference log-probs included), each in a fresh order drawn from
@@ -314,7 +292,7 @@ def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSe
 
 
 @torch.no_grad()
-def evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoConfig,
+def evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoParams,
              device: torch.device, precision: str = "fp32", batch_size: int = 64) -> dict[str, float]:
     """The ``pair_stats`` of held-out pairs."""
     _require_reference(pairs, "dpo.evaluate")

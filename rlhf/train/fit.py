@@ -22,7 +22,7 @@ from torch.optim.optimizer import ParamsT
 from tqdm import tqdm
 
 from rlhf.pipeline.errors import TrainingError, interrupted_at
-from rlhf.pipeline.registry import stage
+from rlhf.pipeline.paths import checkpoint_dir
 from rlhf.train import checkpoint, rng
 from rlhf.train.batches import Batches
 
@@ -62,7 +62,7 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
     optimizer step (curves, held-out evaluation); after a resume it runs again for the steps past the checkpoint."""
     optimizer = torch.optim.AdamW(param_groups, lr=plan.learning_rate, betas=plan.betas)
     schedule = warmup_cosine(optimizer, min(plan.warmup_steps, plan.steps // 2), plan.steps)
-    folder = stage(plan.section).checkpoints
+    folder = checkpoint_dir(plan.section)
     losses, earlier = [], 0.0
     found = resume(folder, plan, model, optimizer, schedule) if plan.fingerprint else None
     if found is not None:

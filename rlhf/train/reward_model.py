@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from transformers import GPT2ForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.loading import load_config, load_sequence_classifier, load_tokenizer
+from rlhf.models.precision import autocast
 from rlhf.pipeline.errors import ModelError
+from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import PAIRS_DIR, SFT_DIR
-from rlhf.pipeline.schema import Params
 from rlhf.train import checkpoint
 from rlhf.train.batches import ShuffledBatches
 from rlhf.train.fit import FitPlan, FitResult, fit
-from rlhf.train.precision import autocast
 from rlhf.train.sft import scratch_model
 
 MARGIN_PER_STAR = 0.1  # with reward.margin, chosen must beat rejected by 0.1 per star of rating difference

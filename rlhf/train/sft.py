@@ -11,13 +11,14 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.loading import context_size, fast_activations, load_causal_lm
-from rlhf.models.logprobs import cross_entropy
+from rlhf.models.precision import autocast
 from rlhf.pipeline.errors import DataError, ModelError
-from rlhf.pipeline.schema import Params, SftParams
+from rlhf.pipeline.params import Params
+from rlhf.pipeline.sections import SftParams
+from rlhf.rl.logprobs import cross_entropy
 from rlhf.train import checkpoint
 from rlhf.train.batches import RandomBatches
 from rlhf.train.fit import FitPlan, FitResult, fit
-from rlhf.train.precision import autocast
 
 
 def build_model(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:

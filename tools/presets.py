@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.pipeline.errors import ParamsError, PipelineError
-from rlhf.pipeline.params import parse_params
-from rlhf.pipeline.yaml_files import parse_yaml, read_yaml
+from rlhf.pipeline.params import parse_params, parse_yaml, read_yaml
+from rlhf.pipeline.paths import RAW_IMDB, RAW_TOKENIZER
 
 PRESETS = Path("presets")
-LOCAL_INPUTS = {"imdb": "data/raw/imdb", "tokenizer": "data/raw/gpt2-tokenizer"}
+LOCAL_INPUTS = {"imdb": RAW_IMDB.as_posix(), "tokenizer": RAW_TOKENIZER.as_posix()}
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

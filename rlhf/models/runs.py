@@ -11,9 +11,9 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf.models.rollout import Samples, SamplingParams, decode_responses, generate
 from rlhf.models.scorers import Scorer
 from rlhf.rl.preference import best_of_n
-from rlhf.rl.rollout import Samples, SamplingParams, decode_responses, generate
 
 
 @dataclass

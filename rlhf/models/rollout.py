@@ -12,9 +12,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.decoding import decode
-from rlhf.models.logprobs import logprobs_and_entropy
 from rlhf.models.policy import PolicyWithValueHead, response_logits
 from rlhf.models.sampling import SamplingParams
+from rlhf.rl.logprobs import logprobs_and_entropy
 
 
 @dataclass
@@ -30,6 +30,11 @@ class Samples:
     @property
     def responses(self) -> torch.Tensor:
         return self.query_responses[:, self.context_length:]
+
+    def __getitem__(self, idx: torch.Tensor) -> Samples:
+        """The rows ``idx`` (a mini-batch)."""
+        return Samples(self.query_responses[idx], self.attention_mask[idx], self.context_length,
+                       self.response_mask[idx], self.has_eos[idx])
 
 
 def response_lengths(n: int, min_tokens: int, max_tokens: int, generator: torch.Generator) -> list[int]:

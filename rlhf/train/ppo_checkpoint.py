@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING
 from rlhf.models.loading import initial_policy
 from rlhf.models.policy import PolicyWithValueHead
 from rlhf.models.scorers import reward_model_path
-from rlhf.pipeline.paths import PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS, staging_path
-from rlhf.pipeline.registry import stage
-from rlhf.pipeline.schema import Params
-from rlhf.rl.trainer import PPOTrainer
+from rlhf.pipeline.params import Params
+from rlhf.pipeline.paths import PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS, checkpoint_dir, staging_path
 from rlhf.train import checkpoint, rng
 from rlhf.train.batches import Batches
+from rlhf.train.ppo_trainer import PPOTrainer
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -31,8 +30,9 @@ def run_fingerprint(params: Params, processes: int) -> str:
     """What determines a PPO run: the params the stage reads, its input files, the number of processes."""
     # nan_policy is left out: a run under "stop" has met no NaN before its last checkpoint, so after a NaN stop,
     # switching to "skip" resumes from that checkpoint instead of step 0
-    policy, tokenizer, _ = initial_policy(params)
-    return checkpoint.fingerprint("ppo", params, [TRAIN_PROMPTS, policy, tokenizer, reward_model_path(params)[0]],
+    initial = initial_policy(params)
+    return checkpoint.fingerprint("ppo", params, [TRAIN_PROMPTS, initial.path, initial.tokenizer,
+                                                  reward_model_path(params)[0]],
                                   exclude=("ppo.nan_policy",), extra={"processes": processes})
 
 
@@ -41,7 +41,7 @@ class Checkpointing:
     """Where the ppo stage checkpoints, the run's fingerprint, and the staged outputs a checkpoint keeps copies of."""
 
     fingerprint: str
-    folder: Path = dataclasses.field(default_factory=lambda: stage("ppo").checkpoints)
+    folder: Path = dataclasses.field(default_factory=lambda: checkpoint_dir("ppo"))
     files: dict[str, Path] = dataclasses.field(default_factory=lambda: {"rollouts": staging_path(ROLLOUTS_DIR),
                                                                         "curves": staging_path(PPO_CURVES)})
 

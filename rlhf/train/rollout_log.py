@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from rlhf.pipeline.io import write_parquet
 from rlhf.rl import ppo
-from rlhf.rl.trainer import Experience
+from rlhf.train.ppo_trainer import Rollout
 
 ROLLOUT_SCHEMA = pa.schema([
     ("step", pa.int32()),
@@ -28,17 +28,17 @@ ROLLOUT_SCHEMA = pa.schema([
 ])
 
 
-def experience_rows(step: int, exp: Experience, kl_coef: float) -> dict[str, list]:
-    mask, n = exp.mask, len(exp.queries)
+def rollout_rows(step: int, rollout: Rollout, kl_coef: float) -> dict[str, list]:
+    exp, mask, n = rollout.experience, rollout.masks, len(rollout.queries)
     values = ppo.masked_mean(exp.values, mask, dim=1).tolist() if exp.values is not None else [float("nan")] * n
     return {
         "step": [step] * n,
-        "query": exp.queries,
-        "response": exp.responses_text,
+        "query": rollout.queries,
+        "response": rollout.responses,
         "response_length": mask.sum(1).tolist(),
-        "score": exp.scores.tolist(),
-        "kl": exp.kl.sum(1).tolist(),
-        "non_score_reward": exp.non_score_reward.sum(1).tolist(),
+        "score": rollout.scores.tolist(),
+        "kl": rollout.kl.sum(1).tolist(),
+        "non_score_reward": rollout.non_score_reward.sum(1).tolist(),
         "value_mean": values,
         "advantage_mean": ppo.masked_mean(exp.advantages, mask, dim=1).tolist(),
         "kl_coef": [kl_coef] * n,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,49 +17,45 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.policy import PolicyWithValueHead
+from rlhf.models.precision import autocast
+from rlhf.models.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
 from rlhf.models.scorers import Scorer
 from rlhf.pipeline.errors import TrainingError
 from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl import ppo
-from rlhf.rl.advantages import estimate_advantages
-from rlhf.rl.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
-from rlhf.train.precision import autocast
+from rlhf.rl.advantages import ESTIMATORS
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
 @dataclass
-class Experience:
-    """What one iteration learns from; per-token tensors are (B, R) over the response positions, and the B samples
-    are samples_per_prompt answers to each prompt in turn (sample = prompt * k + j)."""
+class Rollout:
+    """One iteration's samples and what the update learns from them: B = prompts x samples_per_prompt rows, each
+    prompt's samples in a row (sample = prompt * k + j); per-token tensors are (B, R) over the response positions."""
 
     samples: Samples
-    queries: list[str]  # B texts: the prompt of each sample
-    responses_text: list[str]
-    scores: torch.Tensor  # (B,) after EOS penalty and scaling
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor | None  # None without a critic
-    rewards: torch.Tensor
+    queries: list[str]  # the prompt of each sample
+    responses: list[str]
+    scores: torch.Tensor  # (B,) after the EOS penalty and score scaling
+    experience: ppo.Experience
+    rewards: torch.Tensor  # per token: the KL penalty, plus the score on the last real token
     non_score_reward: torch.Tensor
     kl: torch.Tensor
-    advantages: torch.Tensor
-    returns: torch.Tensor | None  # None for the estimators that score a whole response (the group baselines)
     entropy: torch.Tensor
 
     @property
-    def mask(self) -> torch.Tensor:
-        return self.samples.response_mask
+    def masks(self) -> torch.Tensor:
+        return self.experience.masks
 
 
 @dataclass
 class StepResult:
     stats: dict[str, float]
-    experience: Experience | None  # None: the batch was skipped (a NaN/inf under ppo.nan_policy: skip)
+    rollout: Rollout | None  # None: the batch was skipped (a NaN/inf score under ppo.nan_policy: skip)
 
     @property
     def skipped(self) -> bool:
-        return self.experience is None
+        return self.rollout is None
 
 
 @dataclass
@@ -76,7 +73,7 @@ class PPOTrainer:
 
     def __post_init__(self) -> None:
         cfg = self.cfg
-        # fused: one kernel over all parameters instead of a dozen passes per step (the gain: benchmark notes)
+        # fused: one kernel over all parameters instead of a dozen passes per step
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay, fused=True)
         # the update's forward and backward go through this one: DDP-wrapped by accelerate so that gradients are
@@ -94,74 +91,78 @@ class PPOTrainer:
 
     def step(self, query_ids: list[list[int]], queries: list[str], step: int = 0) -> StepResult:
         """One full PPO iteration on a batch of ppo.prompts_per_step prompts, each answered ppo.samples_per_prompt
-        times: its stats (timings included) and experience."""
-        timings: dict[str, float] = {}
-        # 1-5. generate, score, forward policy and reference, shape rewards, advantages
-        experience = self.make_experience(query_ids, queries, step, timings)
-        return self.learn(experience, step, timings)
-
-    def learn(self, experience: Experience | None, step: int, timings: dict[str, float]) -> StepResult:
-        """6-7 of the iteration, on ``experience`` (None: a skipped batch, counted): the update, then the KL
-        controller; its stats, those of the experience and the ``timings`` of all phases."""
-        if experience is None:
+        times: its stats (the phases' wall times included) and rollout."""
+        clock = Clock(self.device)
+        with clock("generate"):  # 1. sample k responses per prompt
+            samples, queries, responses = self.generate(query_ids, queries)
+        with clock("score"):  # 2. score them
+            scores = self.score(samples, queries, responses, step)
+        if scores is None:
             self.skipped_batches += 1
             return StepResult({"ppo/skipped_batches": float(self.skipped_batches)}, None)
-        # 6. ppo epochs over shuffled minibatches
-        with self.timer(timings, "update"):
-            update_stats = self.update(experience, step)
+        with clock("forward"):  # 3-5. forward policy and reference, per-token rewards, advantages
+            rollout = self.make_experience(samples, queries, responses, scores)
+        result = self.learn(rollout, step)  # 6-7. the update, the KL controller
+        timings = clock.timings | {"update": result.stats["time/update"]}
+        total, n_tokens = sum(timings.values()), rollout.masks.sum().item()
+        result.stats |= {f"time/{k}": v for k, v in timings.items()}
+        result.stats |= {"time/step": total, "throughput/samples_per_s": len(rollout.queries) / total,
+                         "throughput/tokens_per_s": n_tokens / total}
+        return result
+
+    def learn(self, rollout: Rollout, step: int) -> StepResult:
+        """6-7 of the iteration: the update on ``rollout``, then the KL controller; the stats of both (``time/update``
+        its wall time)."""
+        clock = Clock(self.device)
+        with clock("update"):  # 6. ppo epochs over shuffled mini-batches
+            update_stats = self.update(rollout, step)
         # 7. adapt the KL coefficient to the mean sequence KL of the batch
-        mean_kl = self.mean_over_processes(experience.kl.sum(1).mean())
+        mean_kl = self.mean_over_processes(rollout.kl.sum(1).mean())
         kl_coef = self.kl_ctl.value
         self.kl_ctl.update(mean_kl, self.cfg.batch_size)
-        stats = self.experience_stats(experience, mean_kl, kl_coef) | update_stats
-        stats |= {f"time/{k}": v for k, v in timings.items()}
-        n_tokens = experience.mask.sum().item()
-        total = sum(timings.values())
-        stats |= {"time/step": total, "throughput/samples_per_s": len(experience.queries) / total,
-                  "throughput/tokens_per_s": n_tokens / total, "ppo/skipped_batches": float(self.skipped_batches)}
-        return StepResult(stats, experience)
+        stats = self.rollout_stats(rollout, mean_kl, kl_coef) | update_stats
+        stats |= {"time/update": clock.timings["update"], "ppo/skipped_batches": float(self.skipped_batches)}
+        return StepResult(stats, rollout)
 
-    def make_experience(self, query_ids: list[list[int]], queries: list[str], step: int,
-                        timings: dict[str, float]) -> Experience | None:
+    def generate(self, query_ids: list[list[int]],
+                 queries: list[str]) -> tuple[Samples, list[str], list[str]]:
+        """Each prompt answered samples_per_prompt times in a row: (samples, the prompt of each, the responses)."""
         cfg = self.cfg
-        with self.timer(timings, "generate"):
-            # one length per prompt, shared by its k samples: with k = 1 the draws are those of one sample per prompt
-            lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
-                                       self.length_generator)
-            query_ids, queries, lengths = (repeat_each(x, cfg.samples_per_prompt) for x in (query_ids, queries,
-                                                                                           lengths))
-            with self.autocast():
-                samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
-            responses_text = decode_responses(self.tokenizer, samples)
-        return self.score_experience(samples, queries, responses_text, step, timings)
+        # one length per prompt, shared by its k samples: with k = 1 the draws are those of one sample per prompt
+        lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
+                                   self.length_generator)
+        query_ids, queries, lengths = (repeat_each(x, cfg.samples_per_prompt) for x in (query_ids, queries, lengths))
+        with self.autocast():
+            samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
+        return samples, queries, decode_responses(self.tokenizer, samples)
 
-    def score_experience(self, samples: Samples, queries: list[str], responses_text: list[str], step: int,
-                         timings: dict[str, float]) -> Experience | None:
-        """2-5 of the iteration on sampled responses: score, forward policy and reference, rewards, advantages;
-        None where ppo.nan_policy skips a NaN/inf score."""
+    def score(self, samples: Samples, queries: list[str], responses: list[str], step: int) -> torch.Tensor | None:
+        """(B,) scores after the EOS penalty and score scaling; None where ppo.nan_policy skips a NaN/inf score."""
         cfg = self.cfg
-        with self.timer(timings, "score"):
-            raw_scores = self.scorer(queries, responses_text).to(self.device)
-            if not self.finite(raw_scores, step, "score", "the reward scorer returned NaN/inf"):
-                return None
-            scores = ppo.apply_missing_eos_penalty(raw_scores, samples.has_eos, cfg.missing_eos_penalty)
-            scores = ppo.scale_scores(scores, self.score_moments, cfg.use_score_scaling, cfg.use_score_norm,
-                                      cfg.score_clip)
-        with self.timer(timings, "forward"), torch.no_grad():
-            full = cfg.kl_penalty == "full"
-            self.policy.eval()
-            with self.autocast():
-                out = forward(self.policy, samples, cfg.temperature, keep_logits=full)
-                ref = forward(self.ref_policy, samples, cfg.temperature, keep_logits=full)
-            mask = samples.response_mask
-            rewards, non_score_reward, kl = ppo.compute_rewards(
-                scores, out.logprobs, ref.logprobs, mask, self.kl_ctl.value, cfg.kl_penalty, out.logits, ref.logits)
-            advantages, returns = estimate_advantages(cfg.advantage_estimator, rewards, mask, out.values,
-                                                      cfg.samples_per_prompt, cfg.gamma, cfg.lam, cfg.whiten_rewards)
-        return Experience(samples, queries, responses_text, scores, out.logprobs, ref.logprobs, out.values, rewards,
-                          non_score_reward, kl, advantages, returns, out.entropy)
+        raw_scores = self.scorer(queries, responses).to(self.device)
+        if not self.finite(raw_scores, step, "score", "the reward scorer returned NaN/inf"):
+            return None
+        scores = ppo.apply_missing_eos_penalty(raw_scores, samples.has_eos, cfg.missing_eos_penalty)
+        return ppo.scale_scores(scores, self.score_moments, cfg.use_score_scaling, cfg.use_score_norm, cfg.score_clip)
 
-    def update(self, exp: Experience, step: int) -> dict[str, float]:
+    @torch.no_grad()
+    def make_experience(self, samples: Samples, queries: list[str], responses: list[str],
+                        scores: torch.Tensor) -> Rollout:
+        """3-5 of the iteration: log-probs (and values) of policy and reference, per-token rewards, advantages."""
+        cfg = self.cfg
+        full = cfg.kl_penalty == "full"
+        self.policy.eval()
+        with self.autocast():
+            out = forward(self.policy, samples, cfg.temperature, keep_logits=full)
+            ref = forward(self.ref_policy, samples, cfg.temperature, keep_logits=full)
+        masks = samples.response_mask
+        rewards, non_score_reward, kl = ppo.compute_rewards(scores, out.logprobs, ref.logprobs, masks,
+                                                            self.kl_ctl.value, cfg.kl_penalty, out.logits, ref.logits)
+        advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(rewards, masks, out.values, cfg)
+        experience = ppo.Experience(out.logprobs, ref.logprobs, out.values, advantages, returns, masks)
+        return Rollout(samples, queries, responses, scores, experience, rewards, non_score_reward, kl, out.entropy)
+
+    def update(self, rollout: Rollout, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches; gradients accumulate over micro-batches.
 
         An optimizer step whose every mini-batch was skipped (mean ratio above ppo.ratio_threshold) is not taken:
@@ -170,7 +171,7 @@ class PPOTrainer:
         """
         cfg = self.cfg
         self.wrapped_policy.train()
-        B = len(exp.scores)
+        B = len(rollout.scores)
         micro = cfg.mini_batch_size
         stats: list[dict[str, torch.Tensor]] = []
         grad_norms = []
@@ -180,7 +181,7 @@ class PPOTrainer:
                 group = []
                 for mb_start in range(start, start + micro * cfg.gradient_accumulation_steps, micro):
                     mb = order[mb_start: mb_start + micro].to(self.device)
-                    loss, mb_stats = self.minibatch_loss(exp, mb)
+                    loss, mb_stats = self.minibatch_loss(rollout, mb)
                     self.finite(loss, step, "loss/total", "the PPO loss is NaN/inf", always_stop=True)
                     self.backward(loss / cfg.gradient_accumulation_steps)
                     group.append(mb_stats)
@@ -198,25 +199,17 @@ class PPOTrainer:
         mean["policy/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0  # none applied
         return mean
 
-    def minibatch_loss(self, exp: Experience, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        s = exp.samples
-        mb_samples = Samples(s.query_responses[mb], s.attention_mask[mb], s.context_length, s.response_mask[mb],
-                             s.has_eos[mb])
-        cfg = self.cfg
+    def minibatch_loss(self, rollout: Rollout, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with self.autocast():
-            out = forward(self.wrapped_policy, mb_samples, cfg.temperature)
-        critic = exp.values is not None
-        loss, stats = ppo.ppo_loss(out.logprobs, out.values, exp.logprobs[mb], exp.values[mb] if critic else None,
-                                   exp.advantages[mb], exp.returns[mb] if critic else None, mb_samples.response_mask,
-                                   cfg.cliprange, cfg.cliprange_value, cfg.vf_coef, cfg.ratio_threshold,
-                                   exp.ref_logprobs[mb], cfg.kl_loss_coef)
-        mask = mb_samples.response_mask
-        stats["policy/entropy"] = ppo.masked_mean(out.entropy, mask)
+            out = forward(self.wrapped_policy, rollout.samples[mb], self.cfg.temperature)
+        old = rollout.experience[mb]
+        loss, stats = ppo.ppo_loss(out.logprobs, out.values, old, self.cfg)
+        stats["policy/entropy"] = ppo.masked_mean(out.entropy, old.masks)
         # TRL 0.11's ppo/val/mean and ppo/returns/mean: the mean over mini-batches of each one's masked mean
-        if critic:
-            stats["val/mean"] = ppo.masked_mean(exp.values[mb], mask)
-        if exp.returns is not None:
-            stats["val/returns"] = ppo.masked_mean(exp.returns[mb], mask)
+        if old.values is not None:
+            stats["val/mean"] = ppo.masked_mean(old.values, old.masks)
+        if old.returns is not None:
+            stats["val/returns"] = ppo.masked_mean(old.returns, old.masks)
         return loss, stats
 
     def optimizer_step(self, step: int) -> float:
@@ -261,25 +254,22 @@ class PPOTrainer:
             x = self.accelerator.reduce(x.detach(), reduction="mean")
         return x.item()
 
-    def timer(self, timings: dict[str, float], name: str) -> _Timer:
-        return _Timer(timings, name, self.device)
-
-    def experience_stats(self, exp: Experience, mean_kl: float, kl_coef: float) -> dict[str, float]:
+    def rollout_stats(self, rollout: Rollout, mean_kl: float, kl_coef: float) -> dict[str, float]:
         """The batch's stats. Those named like TRL 0.11's mean what TRL's mean: ``objective/entropy`` is the mean
         over samples of the sequence's summed -logprob (a one-sample estimate of the sequence entropy), and
         ``objective/non_score_reward`` the mean over samples of the summed KL penalty (PPOv2Trainer's; the legacy
         trainer's ``ppo/mean_non_score_reward``, a per-token mean, is this / ``tokens/response_length``).
         ``objective/token_entropy`` is the exact entropy of the rollout policy, averaged over the real tokens."""
-        mask = exp.mask
+        mask, scores = rollout.masks, rollout.scores
         return {
-            "objective/scores": exp.scores.mean().item(),
-            "objective/scores_std": exp.scores.std().item() if len(exp.scores) > 1 else 0.0,
+            "objective/scores": scores.mean().item(),
+            "objective/scores_std": scores.std().item() if len(scores) > 1 else 0.0,
             "objective/kl": mean_kl,
             "objective/kl_coef": kl_coef,
-            "objective/non_score_reward": exp.non_score_reward.sum(1).mean().item(),
-            "objective/entropy": (-exp.logprobs * mask).sum(1).mean().item(),
-            "objective/token_entropy": ppo.masked_mean(exp.entropy, mask).item(),
-            "val/num_eos_tokens": exp.samples.has_eos.sum().item(),
+            "objective/non_score_reward": rollout.non_score_reward.sum(1).mean().item(),
+            "objective/entropy": (-rollout.experience.logprobs * mask).sum(1).mean().item(),
+            "objective/token_entropy": ppo.masked_mean(rollout.entropy, mask).item(),
+            "val/num_eos_tokens": rollout.samples.has_eos.sum().item(),
             "tokens/response_length": mask.sum(1).float().mean().item(),
         }
 
@@ -302,18 +292,19 @@ def repeat_each(items: list, k: int) -> list:
     return [item for item in items for _ in range(k)]
 
 
-class _Timer:
-    """Wall time of a phase; on CUDA it waits for the queued kernels so the phase gets its own time."""
+class Clock:
+    """Wall times of named phases (``with clock("generate"): ...``, then ``clock.timings``); on CUDA each phase waits
+    for its queued kernels, so it gets its own time."""
 
-    def __init__(self, timings: dict[str, float], name: str, device: torch.device) -> None:
-        self.timings, self.name, self.cuda = timings, name, device.type == "cuda"
+    def __init__(self, device: torch.device) -> None:
+        self.cuda, self.timings = device.type == "cuda", {}
 
-    def __enter__(self) -> None:
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
         if self.cuda:
             torch.cuda.synchronize()
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
+        start = time.perf_counter()
+        yield
         if self.cuda:
             torch.cuda.synchronize()
-        self.timings[self.name] = self.timings.get(self.name, 0.0) + time.perf_counter() - self.start
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
