@@ -21,11 +21,11 @@ import pyarrow as pa
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.prompts import check_prompts, read_prompts
-from rlhf.eval.evaluation import REWARD, evaluate_policy, markdown_report
+from rlhf.eval.evaluation import evaluate_policy, markdown_report
 from rlhf.eval.plots import histogram
 from rlhf.models.loading import check_vocab_match, load_causal_lm, load_initial_policy
 from rlhf.models.precision import pick_device
-from rlhf.models.scorers import make_reward_scorer, make_scorer, reward_model_path
+from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer, reward_model_path
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import StagedOutputs, write_json, write_parquet, write_text

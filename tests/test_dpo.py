@@ -13,9 +13,9 @@ import torch
 from helpers import QUERIES, TokenShareScorer, signal_pairs
 
 from rlhf.data.sampled_pairs import SAMPLED_PAIR_SCHEMA, sample_pairs
-from rlhf.eval.evaluation import sample_run, score_run
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.rollout import response_lengths
+from rlhf.models.runs import sample_run, score_run
 from rlhf.models.sampling import SamplingParams
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.params import defaults

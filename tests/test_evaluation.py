@@ -9,17 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf.eval.evaluation import (
-    REWARD,
-    distinct_n,
-    eval_metrics,
-    markdown_report,
-    perplexity,
-    positive_threshold,
-    score_stats,
-    sequence_kl,
-)
-from rlhf.models.scorers import judge_name
+from rlhf.eval.evaluation import distinct_n, eval_metrics, markdown_report, perplexity, score_stats, sequence_kl
+from rlhf.models.scorers import REWARD, judge_name, positive_threshold
 
 
 def brute_force_kl(logits, ref_logits, responses, mask):

@@ -20,28 +20,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.rollout import SamplingParams, forward, response_lengths
 from rlhf.models.runs import Run, best_of_n_run, sample_run, score_run
-from rlhf.models.scorers import Scorer
+from rlhf.models.scorers import REWARD, Scorer, positive_threshold
 from rlhf.pipeline.params import Params
 from rlhf.rl.logprobs import logprobs_from_logits
 from rlhf.rl.ppo import kl_penalty
 from rlhf.rl.preference import best_of_n_kl
 
-REWARD = "reward"
-VADER = "vader"
-VADER_POSITIVE = 0.05
-"""VADER's own convention: a compound score above 0.05 reads as positive."""
-LOGIT_POSITIVE = 0.0
-"""A classifier's positive-label logit (or a reward model's scalar) above 0 counts as positive."""
 GREEDY = SamplingParams(top_k=1, top_p=1.0, temperature=1.0)
 """Sampling from the top-1 token is greedy decoding, through the same generate() as training."""
 SIDES = {"reference": "before", "policy": "after",
          "reference_greedy": "before_greedy", "policy_greedy": "after_greedy"}
 """Run name (metrics keys) -> column suffix in samples.parquet."""
-
-
-def positive_threshold(scorer: str) -> float:
-    """The score above which a response counts as positive: VADER's 0.05 on its compound, else a logit's 0."""
-    return VADER_POSITIVE if scorer == VADER else LOGIT_POSITIVE
 
 
 def score_stats(scores: np.ndarray, threshold: float) -> dict[str, float]:

@@ -13,6 +13,17 @@ from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import REWARD_DIR
 from rlhf.pipeline.sections import ModelParams, judge_name
 
+REWARD = "reward"  # the training reward's name among the scorers (evaluation, the optimum)
+VADER_POSITIVE = 0.05
+"""VADER's own convention: a compound score above 0.05 reads as positive."""
+LOGIT_POSITIVE = 0.0
+"""A classifier's positive-label logit (or a reward model's scalar) above 0 counts as positive."""
+
+
+def positive_threshold(scorer: str) -> float:
+    """The score above which a response counts as positive: VADER's 0.05 on its compound, else a logit's 0."""
+    return VADER_POSITIVE if scorer == VaderScorer.name else LOGIT_POSITIVE
+
 
 class Scorer(Protocol):
     name: str
