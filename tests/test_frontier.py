@@ -3,6 +3,7 @@ points), and the table and chart data built from those experiments."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -10,13 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
 from conftest import dvc
 from test_experiments import git_commit
 
+from rlhf.eval import optimum
 from rlhf.eval.frontier import (
+    LABELLED_BETAS,
     chart_points,
     frontier_files,
     frontier_rows,
@@ -169,6 +173,43 @@ def test_best_of_n_rows_take_the_kl_bound_and_say_so() -> None:
     assert ("n16", 1.83, "n16 (KL bound)") in labels and ("kl0.4", 1.5, "kl0.4") in labels
 
 
+def test_the_limit_joins_as_series_and_each_point_gets_its_share_of_the_optimum(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool tables of a seed make the optimum and best-of-n pool series; a point's gain over its reference, as a
+    fraction of the optimum's gain over the pool's reference at the point's KL, is in the table, the chart's
+    reliability and the report."""
+    pool = pd.DataFrame({"prompt": [0] * 64, "sample": range(64), "response": "x", "length": 4,
+                         "reward": np.linspace(-2, 2, 64), "vader": np.linspace(-0.5, 0.9, 64)})
+    tables = {"curve": optimum.curve(pool, ["reward", "vader"]), "best_of_n": optimum.best_of_n(pool, ["reward",
+                                                                                                      "vader"])}
+    kl = float(tables["curve"]["kl"].iloc[10])
+    point = experiment(kl, 0.55, 0.40)  # its reference: 0.41 and 0.35 (experiment())
+    rows = frontier_rows({"cpu-kl0.2": point | {"optimum": tables}}, "cpu", {})
+    series = [r["series"] for r in rows]
+    assert series.count("optimum") == len(tables["curve"]) and series.count("best-of-n pool") == 7
+    found = next(r for r in rows if r["experiment"] == "cpu-kl0.2")
+    best = tables["curve"].iloc[10]
+    assert found["optimum.rm_fraction"] == pytest.approx(
+        (0.55 - 0.41) / (best["reward.positive_rate"] - tables["curve"]["reward.positive_rate"].iloc[0]))
+    assert found["optimum.vader_fraction"] == pytest.approx(
+        (0.40 - 0.35) / (best["vader.positive_rate"] - tables["curve"]["vader.positive_rate"].iloc[0]))
+    assert found["optimum.reliable"] == bool(best["reliable"])
+    limit = [r for r in rows if r["series"] == "optimum"]
+    assert limit[0]["point"] == "reference" and limit[0]["kl.mean"] == 0
+    assert [r["optimum.reliable"] for r in limit[1:]] == tables["curve"]["reliable"].iloc[1:].tolist()
+
+    chart = chart_points(mean_rows(rows))
+    unreliable = {r["point"] for r in chart if r["series"] == "optimum" and not r["reliable"]}
+    assert unreliable == {f"beta{b:g}" for b in tables["curve"].query("not reliable")["beta"]}
+    assert {r["label"] for r in chart if r["series"] == "optimum"} <= {"", "reference",
+                                                                       *(f"beta{b:g}" for b in LABELLED_BETAS)}
+    monkeypatch.chdir(tmp_path)
+    write_frontier(rows, "cpu")
+    text = Path(frontier_files("cpu")[2]).read_text()
+    assert "RM share of the optimum's gain" in text.splitlines()[0]
+    assert f"| ppo | kl0.2 | 1 | {kl:.2f} | 55.0 | 40.0 | {found['optimum.rm_fraction']:.2f} |" in text
+
+
 def run_frontier(project: Path, *args: str) -> subprocess.CompletedProcess:
     """The command in ``project``, with this interpreter's dvc and python first on PATH (DVC runs the stages)."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -250,6 +291,16 @@ def points_log(result: subprocess.CompletedProcess) -> dict[str, tuple[str, set[
     return log
 
 
+def git(project: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=project, capture_output=True, text=True, check=True).stdout
+
+
+def shown_rev(project: Path, name: str) -> str:
+    """The commit of experiment ``name``."""
+    rows = json.loads(dvc(project, "exp", "show", "--json").stdout)
+    return next(exp["revs"][0]["rev"] for row in rows for exp in row.get("experiments") or [] if exp["name"] == name)
+
+
 def exp_show(project: Path) -> dict[str, dict]:
     """{experiment name: its data} for the experiments of HEAD."""
     rows = json.loads(dvc(project, "exp", "show", "--json").stdout)
@@ -267,17 +318,31 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
                       "response_min_tokens": 2, "response_max_tokens": 6, "checkpoint_every": 0},
               "dpo": {"batch_size": 2, "learning_rate": 1e-3, "max_length": 16, "warmup_steps": 0,
                       "checkpoint_every": 0},
-              "evaluate": {"judges": ["vader", str(tiny_classifier_dir)], "batch_size": 8, "examples": 2}}
+              "evaluate": {"judges": ["vader", str(tiny_classifier_dir)], "batch_size": 8, "examples": 2},
+              "optimum": {"samples_per_prompt": 8}}
     (project / "presets" / "tiny.yaml").write_text(yaml.safe_dump(preset))
     git_commit(project, "a tiny preset")
 
-    # the first point runs the whole DAG, the second only what the KL knob feeds
+    # the first point runs the whole DAG, the second only what the KL knob feeds (the optimum's pool is cached)
     assert points_log(run_frontier(project, "tiny", "--kl-coef", "0.5,0.05")) == {
-        "tiny-kl0.5": ("ran", {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate"}),
+        "tiny-kl0.5": ("ran", {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate",
+                               "optimum"}),
         "tiny-kl0.05": ("ran", {"ppo", "evaluate"})}
     shown = exp_show(project)
-    table = pd.read_csv(project / "metrics" / "frontier" / "tiny.csv")
+    full = pd.read_csv(project / "metrics" / "frontier" / "tiny.csv")
+    table = full[full["series"] == "ppo"].reset_index(drop=True)
     assert table.loc[0, "point"] == "reference" and set(table["point"][1:]) == {"kl0.5", "kl0.05"}
+    # the limit, from the pool the first point's optimum stage drew: its series, and each point's distance to it
+    limit = full[full["series"] == "optimum"]
+    assert limit["point"].iloc[0] == "reference" and (limit["kl.mean"].diff().dropna() > 0).all()
+    assert set(full[full["series"] == "best-of-n pool"]["point"]) == {"reference", "n2", "n4", "n8"}
+    committed = git(project, "show", f"{shown_rev(project, 'tiny-kl0.5')}:{optimum.CURVE.as_posix()}")
+    curve = pd.read_csv(io.StringIO(committed))
+    for _, row in table.iloc[1:].iterrows():
+        gain = row["policy.positive_rate"] - shown[row["experiment"]]["metrics"]["metrics/eval.json"]["data"][
+            "reference.positive_rate"]
+        fraction, _ = optimum.gain_fraction(curve, row["kl.mean"], "reward.positive_rate", gain)
+        assert row["optimum.rm_fraction"] == pytest.approx(fraction) or fraction is None
     for _, row in table.iloc[1:].iterrows():
         evaluation = shown[row["experiment"]]["metrics"]["metrics/eval.json"]["data"]
         for key in ("kl.mean", "kl.full_mean", "policy.positive_rate", "judge.vader.policy_positive_rate"):
@@ -296,6 +361,7 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
         "tiny-target4": ("ran", {"ppo", "evaluate"})}
     path = project / "metrics" / "frontier" / "tiny.csv"
     table, written = pd.read_csv(path), path.read_bytes()
+    table = table[table["series"] == "ppo"]
     assert len(table) == 4 and table.set_index("point").loc["target4", "ppo.adap_kl_ctrl"]
     path.unlink()
     assert run_frontier(project, "tiny", "--collect").returncode == 0
@@ -328,7 +394,7 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
     assert points_log(run_frontier(project, "tiny", "--beta", "0.5", "--seeds", "0,1")) == {
         "tiny-dpo-beta0.5-s0": ("ran", {"ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate"}),
         "tiny-dpo-beta0.5-s1": ("ran", {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs", "dpo",
-                                        "evaluate"})}
+                                        "evaluate", "optimum"})}
     shown = exp_show(project)
     for seed in (0, 1):
         params = shown[f"tiny-dpo-beta0.5-s{seed}"]["params"]["params.yaml"]["data"]

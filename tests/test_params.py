@@ -65,13 +65,14 @@ def test_every_params_entry_of_dvc_yaml_is_a_key_or_a_section(stage: str) -> Non
 
 
 def test_ppo_params_are_read_only_by_ppo_and_evaluate() -> None:
-    """...and by sample_pairs, for the sampling settings only: sampled pairs are what the initial policy writes when
+    """...and by sample_pairs and optimum, for the sampling settings only: their samples are the initial policy's,
     sampled as ppo and evaluate sample."""
     readers = {name for name in stages(DVC_YAML)
                if any(key.startswith("ppo.") for key in expand(wiring(name, DVC_YAML).params))}
-    assert readers == {"ppo", "evaluate", "sample_pairs"}
+    assert readers == {"ppo", "evaluate", "sample_pairs", "optimum"}
     sampling = {"ppo.response_min_tokens", "ppo.response_max_tokens", "ppo.top_k", "ppo.top_p", "ppo.temperature"}
-    assert {k for k in expand(wiring("sample_pairs", DVC_YAML).params) if k.startswith("ppo.")} == sampling
+    for name in ("sample_pairs", "optimum"):
+        assert {k for k in expand(wiring(name, DVC_YAML).params) if k.startswith("ppo.")} == sampling
 
 
 def test_a_stage_reads_only_the_keys_dvc_yaml_lists_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

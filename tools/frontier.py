@@ -15,12 +15,17 @@ experiment queue (``dvc exp run --queue``, ``dvc queue start -j N``), each in a 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
+from rlhf.eval import optimum
 from rlhf.eval.frontier import DEFAULT_SERIES, KINDS, Point, frontier_files, frontier_rows, grid, same, write_frontier
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ParamsError, PipelineError
@@ -77,7 +82,21 @@ def head_experiments() -> tuple[dict[str, Any], dict[str, Any], dict[str, dict]]
             continue
         metrics = {file: flatten(found.get("data") or {}) for file, found in (data.get("metrics") or {}).items()}
         experiments[exp["name"]] = {"params": flatten(params(data)), "metrics": metrics}
+        if metrics.get(optimum.METRICS.as_posix(), {}).get("optimum.samples"):
+            experiments[exp["name"]]["optimum"] = pool_tables(exp["revs"][0]["rev"])
     return params(baseline["data"]), params(workspace["data"]), experiments
+
+
+def pool_tables(rev: str) -> dict[str, pd.DataFrame] | None:
+    """The optimum stage's curve and best-of-n tables as the experiment ``rev`` committed them (they are small files
+    Git keeps, not DVC metrics: a column per beta would flood ``dvc exp show``)."""
+    tables = {}
+    for key, path in (("curve", optimum.CURVE), ("best_of_n", optimum.BEST_OF_N)):
+        result = subprocess.run(["git", "show", f"{rev}:{path.as_posix()}"], capture_output=True, text=True)
+        if result.returncode != 0 or not result.stdout.strip():
+            return None
+        tables[key] = pd.read_csv(io.StringIO(result.stdout))
+    return tables
 
 
 def overrides(changes: dict[str, Any], workspace: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
@@ -264,8 +283,8 @@ def main() -> None:
     if not rows:
         raise PipelineError(f"no experiment of HEAD belongs to a {name} sweep (names like {name}-kl0.1)")
     table, chart = write_frontier(rows, name)
-    print(f"frontier: {len(rows)} rows in {table}, the means over seeds in {frontier_files(name)[1]} (chart data: "
-          f"{chart})", flush=True)
+    print(f"frontier: {len(rows)} rows in {table}, the means over seeds in {frontier_files(name)[1]} and "
+          f"{frontier_files(name)[2]} (chart data: {chart})", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ a fixed KL coefficient), ``target<t>`` (PPO's adaptive controller), ``beta<b>`` 
 (best-of-N). The table has one row per point and seed and, per series and seed, one KL-0 row for the reference policy
 (its ``reference.*`` metrics), so every curve starts at the origin of the trade; the means table has one row per point,
 each metric's mean over the seeds and its standard error. Best-of-N has no sampled KL: its rows carry the analytic
-bound log N - (N-1)/N (``kl.source`` says which). No I/O here besides ``write_frontier``; running DVC is the job of
-``tools/frontier.py``.
+bound log N - (N-1)/N (``kl.source`` says which). Where the experiments hold the optimum stage's pool tables
+(rlhf/eval/optimum.py), the limit joins as the series ``optimum`` (one point per beta) and ``best-of-n pool`` (one per
+n), and each point gets its gain as a fraction of the optimum's at its KL (``optimum.*_fraction``). No I/O here
+besides ``write_frontier``; running DVC is the job of ``tools/frontier.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import pandas as pd
 
+from rlhf.eval import optimum
 from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.io import write_json, write_text
 
@@ -29,6 +32,8 @@ CHART_DIR = FRONTIER_DIR / "chart"  # a folder of its own: dvc.yaml plots every 
 DEFAULT_SERIES = "ppo"  # the series of PPO points swept without --series
 REFERENCE = "reference"
 RM = "reward model"
+OPTIMUM, POOL_BEST_OF_N = "optimum", "best-of-n pool"  # the limit's series, from the optimum stage's pool
+LABELLED_BETAS = {1.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.03}  # the optimum's points the chart names
 # each kind of point: its label prefix -> (the series it joins unless --series names one, its params keys)
 KINDS: dict[str, tuple[str | None, Callable[[Any], dict[str, Any]]]] = {
     "kl": (None, lambda c: {"method": "ppo", "ppo.adap_kl_ctrl": False, "ppo.init_kl_coef": c}),
@@ -116,8 +121,9 @@ def sampled_or_bound(evaluation: dict[str, Any]) -> dict[str, Any]:
             "kl.full_mean": evaluation.get("kl.full_mean")}
 
 
-def point_row(name: str, series: str, label: str, params: dict[str, Any], metrics: dict[str, dict]) -> dict:
-    """One table row from an experiment's flat params and its metrics files."""
+def point_row(name: str, series: str, label: str, params: dict[str, Any], metrics: dict[str, dict],
+              curve: pd.DataFrame | None = None) -> dict:
+    """One table row from an experiment's flat params, its metrics files and, if it has one, its optimum curve."""
     evaluation = metrics.get(EVAL, {})
     method = params.get("method", "ppo")
     row = {"experiment": name, "series": series, "point": label, "seed": params.get("seed"), "method": method,
@@ -125,7 +131,49 @@ def point_row(name: str, series: str, label: str, params: dict[str, Any], metric
     row |= {key: evaluation.get(key) for key in POLICY_VS_REFERENCE}
     row |= {key: value for key, value in evaluation.items() if JUDGE.fullmatch(key)}
     row["objective/kl_coef"] = metrics.get(TRAINING["ppo.seconds"], {}).get("objective/kl_coef")
-    return row | {key: metrics.get(file, {}).get("seconds") for key, file in TRAINING.items()}
+    row |= {key: metrics.get(file, {}).get("seconds") for key, file in TRAINING.items()}
+    return row | (distances(row, evaluation, curve) if curve is not None and row["kl.mean"] is not None else {})
+
+
+def distances(row: dict, evaluation: dict[str, Any], curve: pd.DataFrame) -> dict[str, Any]:
+    """The point's gain over its reference as a fraction of the optimum's at its KL, for the reward model and each
+    judge (``optimum.rm_fraction``, ``optimum.<judge>_fraction``), and whether the optimum is reliable there."""
+    scorers = {"rm": ("reward", "policy.positive_rate", "reference.positive_rate")}
+    scorers |= {found[1]: (found[1], key, f"judge.{found[1]}.reference_positive_rate")
+                for key in evaluation if (found := JUDGE.fullmatch(key))}
+    out: dict[str, Any] = {}
+    for name, (column, policy, reference) in scorers.items():
+        if f"{column}.positive_rate" in curve and evaluation.get(reference) is not None:
+            gain = evaluation[policy] - evaluation[reference]
+            out[f"optimum.{name}_fraction"], out["optimum.reliable"] = optimum.gain_fraction(
+                curve, row["kl.mean"], f"{column}.positive_rate", gain)
+    return out
+
+
+def limit_rows(tables: dict[Any, dict[str, pd.DataFrame]]) -> list[dict]:
+    """The limit's rows from each seed's pool tables ({seed: {"curve": ..., "best_of_n": ...}}): a reference row
+    and a point per beta (series ``optimum``; ``optimum.reliable`` marks where the estimate holds) and per n
+    (``best-of-n pool``, at its KL bound as the best-of-N runs are, the pool's estimate in ``kl.full_mean``)."""
+    rows = []
+    for seed, found in sorted(tables.items(), key=lambda item: str(item[0])):
+        curve, best = found["curve"], found["best_of_n"]
+        judges = [c.removesuffix(".positive_rate") for c in curve if c.endswith(".positive_rate")
+                  and c != "reward.positive_rate"]
+
+        def scores(r: pd.Series, judges: list[str] = judges) -> dict[str, float]:
+            return {"policy.reward_mean": r["reward.mean"], "policy.positive_rate": r["reward.positive_rate"],
+                    **{f"judge.{j}.policy_positive_rate": r[f"{j}.positive_rate"] for j in judges}}
+
+        for series in (OPTIMUM, POOL_BEST_OF_N):
+            rows.append({"experiment": "", "series": series, "point": REFERENCE, "seed": seed, "kl.source": "pool",
+                         "kl.mean": 0.0, **scores(curve.iloc[0])})
+        rows += [{"experiment": "", "series": OPTIMUM, "point": f"beta{r['beta']:g}", "seed": seed,
+                  "kl.source": "pool", "kl.mean": r["kl"], "optimum.reliable": bool(r["reliable"]), **scores(r)}
+                 for _, r in curve.iloc[1:].iterrows()]
+        rows += [{"experiment": "", "series": POOL_BEST_OF_N, "point": f"n{int(r['n'])}", "seed": seed,
+                  "kl.source": "bound", "kl.mean": r["kl_bound"], "kl.full_mean": r["kl"], **scores(r)}
+                 for _, r in best.iloc[1:].iterrows()]
+    return rows
 
 
 def reference_row(series: str, seed: Any, metrics: dict[str, dict]) -> dict:
@@ -144,10 +192,12 @@ def reference_row(series: str, seed: Any, metrics: dict[str, dict]) -> dict:
 def frontier_rows(experiments: dict[str, dict], preset: str, changes: dict[str, Any]) -> list[dict]:
     """The table: every experiment of ``preset``'s sweeps (by name, and holding the preset's params), a series'
     reference rows (one per seed) first, then its points by their mean KL, each point's seeds together.
-    ``experiments`` maps a name to ``{"params": flat dotted params, "metrics": {file: flat}}``; ``changes`` are the
-    preset's flat params."""
+    ``experiments`` maps a name to ``{"params": flat dotted params, "metrics": {file: flat}}`` and, for one that ran
+    the optimum stage, ``"optimum": {"curve": ..., "best_of_n": ...}``; ``changes`` are the preset's flat params. The
+    limit's rows (``limit_rows``, one set per seed) come last."""
     by_series: dict[str, list[dict]] = {}
     references: dict[str, dict[Any, dict]] = {}
+    limits: dict[Any, dict[str, pd.DataFrame]] = {}
     for name, exp in sorted(experiments.items()):
         found = member(name, preset)
         if not found or EVAL not in exp["metrics"]:
@@ -155,7 +205,10 @@ def frontier_rows(experiments: dict[str, dict], preset: str, changes: dict[str, 
         if not all(same(exp["params"].get(key), value) for key, value in changes.items()):
             continue
         series, label = found
-        row = point_row(name, series, label, exp["params"], exp["metrics"])
+        tables = exp.get("optimum")
+        row = point_row(name, series, label, exp["params"], exp["metrics"], tables and tables["curve"])
+        if tables:
+            limits.setdefault(row["seed"], tables)
         by_series.setdefault(series, []).append(row)
         references.setdefault(series, {}).setdefault(row["seed"], reference_row(series, row["seed"], exp["metrics"]))
     rows = []
@@ -165,7 +218,7 @@ def frontier_rows(experiments: dict[str, dict], preset: str, changes: dict[str, 
                                                            kl[series, row["point"]] or 0.0, row["point"],
                                                            str(row["seed"])))
         rows += [references[series][seed] for seed in sorted(references[series], key=str)] + order
-    return rows
+    return rows + limit_rows(limits)
 
 
 def groups(rows: list[dict]) -> list[tuple[tuple[str, str], list[dict]]]:
@@ -209,9 +262,11 @@ def mean_rows(rows: list[dict]) -> list[dict]:
 def columns(rows: list[dict]) -> list[str]:
     """Fixed columns in a fixed order, every judge's positive rate after the reward model's."""
     judges = sorted({key for row in rows for key in row if JUDGE.fullmatch(key)})
+    fractions = sorted({key for row in rows for key in row if key.endswith("_fraction")},
+                       key=lambda key: (key != "optimum.rm_fraction", key))
     return ["experiment", "series", "point", "seed", *KNOBS, "kl.source", "kl.mean", "kl.full_mean",
-            "policy.reward_mean", "policy.positive_rate", *judges, "fluency.ref_perplexity", "diversity.distinct2",
-            "objective/kl_coef", *TRAINING]
+            "policy.reward_mean", "policy.positive_rate", *judges, *fractions, "optimum.reliable",
+            "fluency.ref_perplexity", "diversity.distinct2", "objective/kl_coef", *TRAINING]
 
 
 def chart_points(means: list[dict]) -> list[dict]:
@@ -222,12 +277,16 @@ def chart_points(means: list[dict]) -> list[dict]:
         scorers = {RM: "policy.positive_rate"}
         scorers |= {found[1]: key for key in row if (found := JUDGE.fullmatch(key))}
         bound = row.get("kl.source") == "bound"
+        label = f"{row['point']} (KL bound)" if bound and row["point"] != REFERENCE else row["point"]
+        if row["series"] == OPTIMUM and row["point"] != REFERENCE and float(row["point"][4:]) not in LABELLED_BETAS:
+            label = ""
+        reliable = row.get("optimum.reliable")
         for scorer, key in scorers.items():
             if row.get(key) is None:
                 continue
             records.append({"series": row["series"], "point": row["point"], "experiments": row["experiments"],
-                            "label": f"{row['point']} (KL bound)" if bound and row["point"] != REFERENCE
-                            else row["point"], "seeds": row["seeds"], "scorer": scorer, "kl.source": row["kl.source"],
+                            "label": label, "seeds": row["seeds"], "scorer": scorer, "kl.source": row["kl.source"],
+                            "reliable": row["series"] != OPTIMUM or reliable is None or reliable >= 1,
                             "kl.mean": row["kl.mean"], "positive_rate": row[key],
                             **bar("kl", row["kl.mean"], row.get("kl.mean.stderr")),
                             **bar("positive_rate", row[key], row.get(f"{key}.stderr"))})
@@ -241,17 +300,49 @@ def bar(name: str, mean: float | None, stderr: float | None) -> dict[str, float 
     return {f"{name}_low": mean - stderr, f"{name}_high": mean + stderr}
 
 
-def frontier_files(name: str) -> tuple[Path, Path, Path]:
-    """The table, the means table and the chart data of the preset ``name``."""
-    return FRONTIER_DIR / f"{name}.csv", FRONTIER_DIR / f"{name}.mean.csv", CHART_DIR / f"{name}.json"
+def report(means: list[dict]) -> str:
+    """The means table for people: a Markdown row per point (the optimum at the chart's betas only), positive rates
+    as percentages with their standard error, and each point's share of the optimum's gain at its KL."""
+    judges = sorted({found[1] for row in means for key in row if (found := JUDGE.fullmatch(key))})
+    rates = {"RM": "policy.positive_rate"} | {j: f"judge.{j}.policy_positive_rate" for j in judges}
+    shares = {"RM": "optimum.rm_fraction"} | {j: f"optimum.{j}_fraction" for j in judges}
+
+    def cell(row: dict, key: str, scale: float = 1.0, digits: int = 1) -> str:
+        value, stderr = row.get(key), row.get(f"{key}.stderr")
+        if value is None or pd.isna(value):
+            return ""
+        spread = "" if stderr is None or pd.isna(stderr) else f" ± {stderr * scale:.{digits}f}"
+        return f"{value * scale:.{digits}f}{spread}"
+
+    header = ["series", "point", "seeds", "KL (nats)", *(f"{s} positive %" for s in rates),
+              *(f"{s} share of the optimum's gain" for s in shares), "optimum reliable"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in means:
+        if row["series"] == OPTIMUM and row["point"] != REFERENCE and float(row["point"][4:]) not in LABELLED_BETAS:
+            continue
+        reliable = row.get("optimum.reliable")
+        lines.append("| " + " | ".join([
+            row["series"], row["point"] + (" (bound)" if row.get("kl.source") == "bound" else ""), str(row["seeds"]),
+            cell(row, "kl.mean", digits=2), *(cell(row, key, 100) for key in rates.values()),
+            *(cell(row, key, digits=2) for key in shares.values()),
+            "" if reliable is None or pd.isna(reliable) else ("yes" if reliable >= 1 else "no")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def frontier_files(name: str) -> tuple[Path, Path, Path, Path]:
+    """The table, the means table, the report and the chart data of the preset ``name``."""
+    return (FRONTIER_DIR / f"{name}.csv", FRONTIER_DIR / f"{name}.mean.csv", FRONTIER_DIR / f"{name}.md",
+            CHART_DIR / f"{name}.json")
 
 
 def write_frontier(rows: list[dict], name: str) -> tuple[Path, Path]:
-    """Write the table ``metrics/frontier/<name>.csv``, the means over seeds ``metrics/frontier/<name>.mean.csv`` and
-    the chart data ``metrics/frontier/chart/<name>.json``, each atomically; return the table's and the chart's path."""
-    table, mean_table, chart = frontier_files(name)
+    """Write the table ``metrics/frontier/<name>.csv``, the means over seeds ``<name>.mean.csv`` and their report
+    ``<name>.md`` beside it, and the chart data ``metrics/frontier/chart/<name>.json``, each atomically; return the
+    table's and the chart's path."""
+    table, mean_table, markdown, chart = frontier_files(name)
     means = mean_rows(rows)
     write_text(pd.DataFrame(rows, columns=columns(rows)).to_csv(index=False), table)
     write_text(pd.DataFrame(means).to_csv(index=False), mean_table)
+    write_text(report(means), markdown)
     write_json(chart_points(means), chart)
     return table, chart

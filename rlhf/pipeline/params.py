@@ -25,6 +25,7 @@ from rlhf.pipeline.sections import (
     DpoParams,
     EvaluateParams,
     ModelParams,
+    OptimumParams,
     PrepareParams,
     RewardParams,
     Rule,
@@ -54,6 +55,7 @@ class Params(Section):
     ppo: PpoParams
     dpo: DpoParams
     evaluate: EvaluateParams
+    optimum: OptimumParams
 
     @property
     def tokenizer_path(self) -> str:

@@ -246,6 +246,14 @@ class DpoParams(Schedule):
         return self.beta if self.loss == "dpo" else self.tau
 
 
+class OptimumParams(Section):
+    samples_per_prompt: int = Field(ge=0)
+    """N: reference samples per eval prompt in the pool the optimum and best-of-n are estimated from (0: off). The
+    estimate holds up to about log N - 1 nats of KL (the optimum stage marks the points beyond)."""
+    prompts: int | None = Field(gt=0)
+    """Eval prompts pooled (the first ones); null: all of them."""
+
+
 class EvaluateParams(Section):
     judges: list[PathOrId]
     """Extra scorers: 'vader' (lexicon, no download) or any sentiment classifier (Hub id or local dir); metrics keys

@@ -1,0 +1,121 @@
+"""The frontier's limit: a pool of N reference samples per eval prompt, scored once by the reward and every judge, and
+from it, without training, the KL-regularised optimum pi_beta over a grid of beta and best-of-n for n = 1, 2, 4, ...,
+N (rlhf/rl/optimum.py has the math). The pool is sampled as evaluate samples: each prompt at its evaluation length,
+with the same sampling settings, so the optimum is measured on the trained policies' terms.
+
+A point of the optimum is unreliable where its estimate rests on few samples: a median effective sample size below
+``MIN_ESS`` (the weights have collapsed onto a handful of samples per prompt) or a KL within ``SATURATION`` nats of
+log N (the most any reweighting of N samples can reach).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.models.rollout import SamplingParams
+from rlhf.models.runs import sample_run, score_run
+from rlhf.models.scorers import REWARD, Scorer, positive_threshold
+from rlhf.rl import optimum as opt
+from rlhf.rl.preference import best_of_n_kl
+
+POOL = Path("data/optimum/pool.parquet")
+CURVE = Path("metrics/optimum/curve.csv")  # read by the frontier from each experiment's commit
+BEST_OF_N = Path("metrics/optimum/best_of_n.csv")
+METRICS = Path("metrics/optimum.json")
+BETAS = np.geomspace(10.0, 0.01, 61)  # from next to the reference to far past any pool's saturation
+MIN_ESS = 10.0
+SATURATION = 1.0
+
+
+def draw_pool(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids: list[list[int]],
+              lengths: list[int], n: int, sampling: SamplingParams, batch_size: int, seed: int) -> pd.DataFrame:
+    """``n`` responses of the reference to each prompt at its length: columns prompt, sample, response, length."""
+    ids = [q for q in query_ids for _ in range(n)]
+    run = sample_run(reference, tokenizer, ids, [length for length in lengths for _ in range(n)], sampling,
+                     batch_size, seed, desc=f"sample {n} per prompt")
+    return pd.DataFrame({"prompt": np.repeat(np.arange(len(query_ids)), n), "sample": np.tile(np.arange(n),
+                                                                                               len(query_ids)),
+                         "response": run.texts, "length": [len(r) for r in run.response_ids]})
+
+
+def score_pool(pool: pd.DataFrame, queries: list[str], scorers: dict[str, Scorer], batch_size: int) -> pd.DataFrame:
+    """The pool with one column of scores per scorer (``reward`` and each judge's name)."""
+    scores = score_run(scorers, [queries[p] for p in pool["prompt"]], pool["response"].tolist(), batch_size,
+                       "score the pool")
+    return pool.assign(**{name: values.astype(np.float32) for name, values in scores.items()})
+
+
+def grid(pool: pd.DataFrame, column: str) -> torch.Tensor:
+    """(P, N) float64 values of a pool column, a prompt per row."""
+    n = int(pool["sample"].max()) + 1
+    return torch.tensor(pool.sort_values(["prompt", "sample"])[column].to_numpy(np.float64)).view(-1, n)
+
+
+def scorer_stats(weights: torch.Tensor, pool: pd.DataFrame, scorers: list[str]) -> dict[str, float]:
+    """Each scorer's positive rate and mean under per-prompt ``weights``, averaged over prompts."""
+    stats = {}
+    for name in scorers:
+        values = grid(pool, name)
+        stats[f"{name}.positive_rate"] = (weights * (values > positive_threshold(name))).sum(-1).mean().item()
+        stats[f"{name}.mean"] = (weights * values).sum(-1).mean().item()
+    return stats
+
+
+def curve(pool: pd.DataFrame, scorers: list[str], betas: np.ndarray = BETAS) -> pd.DataFrame:
+    """One row per beta (and beta = inf, the reference): KL, the median and least effective sample size, whether the
+    estimate is reliable, and every scorer's positive rate and mean; KL increasing down the table."""
+    rewards, n = grid(pool, REWARD), int(pool["sample"].max()) + 1
+    uniform = torch.full_like(rewards, 1.0 / n)
+    rows = [{"beta": math.inf, "kl": 0.0, "ess_median": float(n), "ess_min": float(n), "reliable": True,
+             **scorer_stats(uniform, pool, scorers)}]
+    for beta in betas:
+        weights = opt.tilted_weights(rewards, float(beta))
+        ess = opt.effective_sample_size(weights)
+        kl = opt.tilted_kl(rewards, float(beta)).mean().item()
+        rows.append({"beta": float(beta), "kl": kl, "ess_median": ess.median().item(), "ess_min": ess.min().item(),
+                     "reliable": ess.median().item() >= MIN_ESS and kl <= math.log(n) - SATURATION,
+                     **scorer_stats(weights, pool, scorers)})
+    return pd.DataFrame(rows)
+
+
+def best_of_n(pool: pd.DataFrame, scorers: list[str]) -> pd.DataFrame:
+    """One row per n = 1, 2, 4, ... up to N: the KL bound log n - (n-1)/n, the selection's KL estimate from the pool,
+    and every scorer's expected positive rate and mean (exact order statistics over n-subsets of the pool)."""
+    rewards, n_max = grid(pool, REWARD), int(pool["sample"].max()) + 1
+    rows = []
+    for n in [2**k for k in range(int(math.log2(n_max)) + 1)]:
+        weights = opt.best_of_n_weights(rewards, n)
+        rows.append({"n": n, "kl_bound": best_of_n_kl(n), "kl": opt.selection_kl(weights).mean().item(),
+                     **scorer_stats(weights, pool, scorers)})
+    return pd.DataFrame(rows)
+
+
+def at_kl(table: pd.DataFrame, kl: float) -> dict[str, float | bool] | None:
+    """The optimum at ``kl`` nats: each column linearly interpolated between the two grid points around it (the KL
+    rises monotonically as beta falls), ``reliable`` if both are; None beyond the curve."""
+    kls = table["kl"].to_numpy()
+    if not kls[0] <= kl <= kls[-1]:
+        return None
+    i = min(int(np.searchsorted(kls, kl, side="right")), len(kls) - 1)
+    low, high = table.iloc[max(i - 1, 0)], table.iloc[i]
+    t = 0.0 if high["kl"] == low["kl"] else (kl - low["kl"]) / (high["kl"] - low["kl"])
+    numeric = [c for c in table.columns if c not in ("beta", "reliable")]
+    return {c: float(low[c] + t * (high[c] - low[c])) for c in numeric} | {
+        "reliable": bool(low["reliable"] and high["reliable"])}
+
+
+def gain_fraction(curve_table: pd.DataFrame, kl: float, key: str, gain: float) -> tuple[float | None, bool]:
+    """``gain``, a policy's over its reference in ``key`` (``reward.positive_rate``, ...), as a fraction of the
+    optimum's gain over the pool's reference at the policy's KL; and whether that optimum point is reliable. (None,
+    False) beyond the curve or where the optimum gains nothing."""
+    point = at_kl(curve_table, kl)
+    if point is None:
+        return None, False
+    best = point[key] - float(curve_table[key].iloc[0])
+    return (gain / best if best > 0 else None), bool(point["reliable"])

@@ -1,0 +1,81 @@
+"""optimum: the frontier's limit, without training: the KL-regularised optimum pi_beta ∝ pi_ref exp(r / beta) over a
+grid of beta, and best-of-n for n = 1, 2, 4, ..., N, from one pool of N reference samples per eval prompt.
+
+Reads   data/prompts/eval.parquet (the first optimum.prompts), the reference (models/sft when sft.enabled, else
+        model.policy), the reward (models/reward when reward.train, else reward.model), evaluate.judges
+Writes  data/optimum/pool.parquet      N responses per prompt, sampled as evaluate samples (each prompt at its
+                                       evaluation length, ppo's sampling settings, the seed), a score column for the
+                                       reward and for every judge
+        metrics/optimum/curve.csv      per beta: kl, ess_median, ess_min, reliable, and each scorer's positive rate
+                                       and mean (<scorer>.positive_rate, <scorer>.mean; the reward's scorer: reward)
+        metrics/optimum/best_of_n.csv  per n: kl_bound, kl (the pool's estimate), each scorer's positive rate, mean
+        metrics/optimum.json           prompts, samples, the largest KL of a reliable point, seconds
+Only a DISABLED marker when optimum.samples_per_prompt is 0. DVC keeps the pool: it is drawn again only when the
+reference, the reward, the judges, the prompts, the sampling keys, the seed or N change.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import torch
+
+from rlhf.data.prompts import check_prompts, read_prompts
+from rlhf.eval import optimum
+from rlhf.models.loading import load_initial_policy
+from rlhf.models.precision import pick_device
+from rlhf.models.rollout import SamplingParams, response_lengths
+from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer
+from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_parquet, write_text
+from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.paths import EVAL_PROMPTS
+from rlhf.train.rng import seed_everything
+
+STAGE = "optimum"
+OUT_OF_MEMORY = "lower evaluate.batch_size"
+
+
+def main() -> None:
+    params = load_params(STAGE)
+    run_switchable(STAGE, params.optimum.samples_per_prompt > 0, lambda outputs: estimate(params, outputs),
+                   optimum.POOL.parent, "optimum.samples_per_prompt is 0: no pool",
+                   {optimum.METRICS: '{"optimum": {"sampled": false}}\n', optimum.CURVE: "", optimum.BEST_OF_N: ""})
+
+
+def estimate(params: Params, outputs: StagedOutputs) -> None:
+    start = time.perf_counter()
+    cfg, n = params.ppo, params.optimum.samples_per_prompt
+    prompts = read_prompts(EVAL_PROMPTS)
+    device = pick_device()
+    seed_everything(params.seed)
+    # every scorer and the reference load (or fail naming their key) before any sampling
+    scorers = {REWARD: make_reward_scorer(params, device)}
+    for i, (name, spec) in enumerate(zip(params.evaluate.judge_names, params.evaluate.judges, strict=True)):
+        scorers[name] = make_scorer(spec, params, device, what=f"evaluate.judges[{i}]")
+    reference, tokenizer, what = load_initial_policy(params)
+    check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, cfg.response_max_tokens, f"the reference ({what})")
+    reference.to(device).eval()
+
+    # evaluate's lengths: drawn for every eval prompt from the seed, so the first P are evaluation's own
+    lengths = response_lengths(len(prompts), cfg.response_min_tokens, cfg.response_max_tokens,
+                               torch.Generator().manual_seed(params.seed))
+    P = len(prompts) if params.optimum.prompts is None else min(params.optimum.prompts, len(prompts))
+    query_ids, queries = prompts.take(range(P))
+    pool = optimum.draw_pool(reference, tokenizer, query_ids, lengths[:P], n,
+                             SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature), params.evaluate.batch_size,
+                             params.seed)
+    pool = optimum.score_pool(pool, queries, scorers, params.evaluate.batch_size)
+    curve, best_of_n = optimum.curve(pool, list(scorers)), optimum.best_of_n(pool, list(scorers))
+
+    write_parquet(pa.Table.from_pandas(pool, preserve_index=False), outputs[optimum.POOL])
+    write_text(curve.to_csv(index=False), outputs[optimum.CURVE])
+    write_text(best_of_n.to_csv(index=False), outputs[optimum.BEST_OF_N])
+    reliable = curve[curve["reliable"]]["kl"]
+    write_json({"optimum": {"prompts": P, "samples": n, "reliable_kl": round(float(reliable.max()), 3),
+                            "seconds": round(time.perf_counter() - start, 1)}}, outputs[optimum.METRICS])
+
+
+if __name__ == "__main__":
+    run_stage(main, OUT_OF_MEMORY)

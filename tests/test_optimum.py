@@ -1,0 +1,186 @@
+"""The frontier's limit: the tilted-distribution and best-of-n estimators against references written from their
+definitions, the optimum's tables on a pool built in the test, and the optimum stage on tiny models."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import ROOT, set_params
+
+from rlhf.eval import optimum
+from rlhf.pipeline.paths import EVAL_METRICS, EVAL_SAMPLES, POLICY_DIR
+from rlhf.rl import optimum as opt
+
+# --- the math ------------------------------------------------------------------------------------------------------
+
+
+def test_the_pool_estimates_are_exact_on_a_pool_holding_the_reference_in_proportion() -> None:
+    """A reference over three answers with probabilities 1/2, 1/4, 1/4 is pooled exactly by [a, a, b, c]: the
+    self-normalised weights then give pi_beta and its KL exactly, as computed from the definition."""
+    r = {"a": 0.3, "b": 1.0, "c": -2.0}
+    ref = {"a": 0.5, "b": 0.25, "c": 0.25}
+    pool = torch.tensor([[r["a"], r["a"], r["b"], r["c"]]], dtype=torch.float64)
+    for beta in (2.0, 0.5, 0.1):
+        z = sum(ref[y] * math.exp(r[y] / beta) for y in r)
+        pi = {y: ref[y] * math.exp(r[y] / beta) / z for y in r}
+        kl = sum(pi[y] * math.log(pi[y] / ref[y]) for y in r)
+        assert opt.tilted_kl(pool, beta).item() == pytest.approx(kl, rel=1e-12)
+        weights = opt.tilted_weights(pool, beta)[0]
+        assert (weights[0] + weights[1]).item() == pytest.approx(pi["a"], rel=1e-12)
+        assert weights[2].item() == pytest.approx(pi["b"], rel=1e-12)
+
+
+def test_tilted_kl_is_the_kl_of_the_weights_from_uniform_and_saturates_at_log_n() -> None:
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(5, 9, generator=g, dtype=torch.float64)
+    for beta in (3.0, 0.3, 0.03):
+        w = opt.tilted_weights(rewards, beta)
+        assert torch.allclose(opt.tilted_kl(rewards, beta), (w * torch.log(9 * w)).sum(-1), rtol=1e-10, atol=1e-12)
+    assert (opt.tilted_kl(rewards, 1e-4) <= math.log(9) + 1e-12).all()
+    assert opt.tilted_kl(rewards, 1e-4).mean().item() == pytest.approx(math.log(9), rel=1e-6)
+
+
+def test_effective_sample_size_runs_from_one_to_n() -> None:
+    assert opt.effective_sample_size(torch.full((2, 8), 1 / 8)).tolist() == [8.0, 8.0]
+    assert opt.effective_sample_size(torch.eye(4)[:1]).tolist() == [1.0]
+
+
+def best_of_n_reference(rewards: list[float], n: int) -> list[float]:
+    """Every n-subset equally likely; its best is the highest reward, a tie going to the later sample."""
+    wins = [0] * len(rewards)
+    subsets = list(itertools.combinations(range(len(rewards)), n))
+    for subset in subsets:
+        wins[max(subset, key=lambda i: (rewards[i], i))] += 1
+    return [w / len(subsets) for w in wins]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6])
+def test_best_of_n_weights_are_the_order_statistics_of_subsets(n: int) -> None:
+    rows = [[0.5, -1.0, 2.0, 0.1, 0.7, -0.3], [1.0, 1.0, 0.0, 1.0, -2.0, 3.0]]  # the second with ties
+    got = opt.best_of_n_weights(torch.tensor(rows, dtype=torch.float64), n)
+    for row, probabilities in zip(rows, got.tolist(), strict=True):
+        assert probabilities == pytest.approx(best_of_n_reference(row, n), abs=1e-12)
+    with pytest.raises(ValueError, match="must be in"):
+        opt.best_of_n_weights(torch.tensor(rows), 7)
+
+
+def test_selection_kl_of_best_of_one_is_zero_and_of_best_of_all_is_log_n() -> None:
+    rewards = torch.randn(3, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    assert opt.selection_kl(opt.best_of_n_weights(rewards, 1)).abs().max().item() < 1e-12
+    assert opt.selection_kl(opt.best_of_n_weights(rewards, 16)).tolist() == pytest.approx([math.log(16)] * 3)
+
+
+# --- the tables ----------------------------------------------------------------------------------------------------
+
+
+def synthetic_pool(prompts: int = 4, n: int = 64, seed: int = 0) -> pd.DataFrame:
+    """A pool whose judge agrees with the reward most of the time."""
+    g = np.random.default_rng(seed)
+    reward = g.normal(size=prompts * n)
+    return pd.DataFrame({"prompt": np.repeat(np.arange(prompts), n), "sample": np.tile(np.arange(n), prompts),
+                         "response": "x", "length": 4, "reward": reward,
+                         "vader": np.tanh(reward + g.normal(scale=0.5, size=prompts * n))})
+
+
+def test_the_curve_starts_at_the_pool_rises_with_kl_and_marks_where_it_stops_holding() -> None:
+    pool = synthetic_pool()
+    table = optimum.curve(pool, ["reward", "vader"])
+    first = table.iloc[0]
+    assert first["kl"] == 0 and first["reward.positive_rate"] == pytest.approx((pool["reward"] > 0).mean())
+    assert first["vader.mean"] == pytest.approx(pool["vader"].mean())
+    assert (np.diff(table["kl"]) > 0).all() and (np.diff(table["reward.mean"]) > 0).all()
+    log_n = math.log(64)
+    expected = (table["ess_median"] >= optimum.MIN_ESS) & (table["kl"] <= log_n - optimum.SATURATION)
+    assert (table["reliable"] == expected).all() and table["reliable"].any() and not table["reliable"].all()
+    assert table["kl"].max() < log_n
+
+
+def test_best_of_n_from_the_pool_starts_at_the_reference_and_ends_at_the_best() -> None:
+    pool = synthetic_pool()
+    table = optimum.best_of_n(pool, ["reward", "vader"])
+    assert table["n"].tolist() == [1, 2, 4, 8, 16, 32, 64]
+    assert table.iloc[0]["reward.mean"] == pytest.approx(pool["reward"].mean())
+    assert table.iloc[0]["kl"] == pytest.approx(0, abs=1e-12)
+    best = pool.groupby("prompt")["reward"].max().mean()
+    assert table.iloc[-1]["reward.mean"] == pytest.approx(best) and table.iloc[-1]["kl"] == pytest.approx(
+        math.log(64))
+    # n drawn from N without replacement: near the analytic bound of independent draws while n << N
+    assert (np.diff(table["kl"]) > 0).all() and abs(table.iloc[1]["kl"] - table.iloc[1]["kl_bound"]) < 0.02
+
+
+def test_a_point_is_measured_against_the_optimum_at_its_own_kl() -> None:
+    table = optimum.curve(synthetic_pool(), ["reward", "vader"])
+    middle = table.iloc[20]
+    point = optimum.at_kl(table, float(middle["kl"]))
+    assert point["reward.positive_rate"] == pytest.approx(middle["reward.positive_rate"])
+    halfway = optimum.at_kl(table, float((table.iloc[20]["kl"] + table.iloc[21]["kl"]) / 2))
+    assert halfway["reward.mean"] == pytest.approx((table.iloc[20]["reward.mean"] + table.iloc[21]["reward.mean"]) / 2)
+    gain = float(middle["reward.positive_rate"] - table.iloc[0]["reward.positive_rate"])
+    fraction, reliable = optimum.gain_fraction(table, float(middle["kl"]), "reward.positive_rate", gain / 2)
+    assert fraction == pytest.approx(0.5) and reliable == bool(middle["reliable"])
+    assert optimum.gain_fraction(table, 100.0, "reward.positive_rate", 0.1) == (None, False)
+
+
+# --- the stage -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def optimum_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_gpt2_dir: Path,
+                tiny_classifier_dir: Path, tokenizer_dir: Path) -> Path:
+    """A folder with the tiny policy, a tiny classifier as reward, 6 eval prompts and models/policy = the reference."""
+    from conftest import write_prompts
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("params.yaml", "dvc.yaml"):
+        shutil.copy(ROOT / name, name)
+    set_params(tmp_path, **{"model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
+                            "evaluate.judges": ["vader"], "evaluate.batch_size": 4, "ppo.response_min_tokens": 2,
+                            "ppo.response_max_tokens": 6, "optimum.samples_per_prompt": 1})
+    write_prompts(tmp_path, tokenizer_dir, n=6)
+    shutil.copy("data/prompts/train.parquet", "data/prompts/eval.parquet")
+    shutil.copytree(tiny_gpt2_dir, POLICY_DIR)
+    return tmp_path
+
+
+def test_the_pool_is_sampled_as_evaluate_samples(optimum_dir: Path) -> None:
+    """With one sample per prompt, the pool is evaluate's reference run, response for response and score for score:
+    same lengths, seed, batches and sampling."""
+    from stages import evaluate
+    from stages import optimum as stage
+
+    stage.main()
+    evaluate.main()
+    pool = pd.read_parquet(optimum.POOL)
+    samples = pd.read_parquet(EVAL_SAMPLES)
+    assert pool["response"].tolist() == samples["response_before"].tolist()
+    assert pool["reward"].tolist() == pytest.approx(samples["reward_before"].tolist(), abs=1e-6)
+    assert pool["vader"].tolist() == pytest.approx(samples["judge_vader_before"].tolist(), abs=1e-6)
+    reference = json.loads(EVAL_METRICS.read_text())["reference.positive_rate"]
+    assert pd.read_csv(optimum.CURVE).iloc[0]["reward.positive_rate"] == pytest.approx(reference)
+
+
+def test_the_stage_pools_n_per_prompt_and_writes_only_a_marker_when_off(optimum_dir: Path) -> None:
+    from stages import optimum as stage
+
+    set_params(optimum_dir, **{"optimum.samples_per_prompt": 8, "optimum.prompts": 4})
+    stage.main()
+    pool = pd.read_parquet(optimum.POOL)
+    assert len(pool) == 32 and pool.groupby("prompt").size().tolist() == [8] * 4
+    assert set(pool.columns) == {"prompt", "sample", "response", "length", "reward", "vader"}
+    curve = pd.read_csv(optimum.CURVE)
+    assert curve.iloc[0]["kl"] == 0 and (np.diff(curve["kl"]) > 0).all()
+    assert pd.read_csv(optimum.BEST_OF_N)["n"].tolist() == [1, 2, 4, 8]
+    assert json.loads(optimum.METRICS.read_text())["optimum"]["samples"] == 8
+
+    set_params(optimum_dir, **{"optimum.samples_per_prompt": 0})
+    stage.main()
+    assert sorted(p.name for p in optimum.POOL.parent.iterdir()) == ["DISABLED"]
+    assert json.loads(optimum.METRICS.read_text()) == {"optimum": {"sampled": False}}
