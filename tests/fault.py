@@ -5,9 +5,12 @@ Run in the project folder (the stages package importable). Every call of a Pytho
 to the project for its own code, else absolute); the N-th call raises the fault at its first line, inside the real
 code path, and counting stops. The stage module and what it imports are loaded before counting starts: calls made by
 imports are not counted, and the stage runs at close to its own speed (a profile function, unlike a trace function,
-leaves line events off). Without ``--at`` the stage runs undisturbed. ``--count FILE`` writes the number of
-matching calls seen to FILE at exit, so a test can draw a point among them. Faults: ``error`` (a RuntimeError, i.e. a
-bug), ``interrupt`` (Ctrl-C), ``disk-full`` (OSError ENOSPC), ``oom`` (torch.OutOfMemoryError).
+leaves line events off). A C function is named ``c:<module>.<name>`` (``c:posix.replace``: every ``os.replace``) and
+counted on its call too, so a kill can land between two renames. Without ``--at`` the stage runs undisturbed.
+``--count FILE`` writes the number of matching calls seen to FILE at exit, so a test can draw a point among them.
+Faults: ``error`` (a RuntimeError, i.e. a bug), ``interrupt`` (Ctrl-C), ``disk-full`` (OSError ENOSPC), ``oom``
+(torch.OutOfMemoryError), ``kill`` (SIGKILL: a lost machine, exactly there), ``sigterm``, ``sighup`` (the signal, sent
+to the process itself there).
 """
 
 from __future__ import annotations
@@ -16,14 +19,21 @@ import argparse
 import atexit
 import errno
 import importlib
+import os
 import re
 import runpy
+import signal
 import sys
 from pathlib import Path
 from types import CodeType, FrameType
 
+SIGNALS = {"kill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}
+
 
 def fault(kind: str) -> BaseException:
+    if kind in SIGNALS:
+        os.kill(os.getpid(), SIGNALS[kind])  # a handled signal raises here, through the stage's handler
+        return RuntimeError(f"{kind}: the signal did not stop the stage")
     if kind == "oom":
         import torch
 
@@ -36,7 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stage")
     parser.add_argument("--at", type=int, help="the matching call that raises (1: the first)")
-    parser.add_argument("--kind", choices=["error", "interrupt", "disk-full", "oom"], default="error")
+    parser.add_argument("--kind", choices=["error", "interrupt", "disk-full", "oom", *SIGNALS], default="error")
     parser.add_argument("--where", default=r"^(stages|rlhf)/", help="regex over <file>:<qualified name>")
     parser.add_argument("--count", type=Path, help="write the number of matching calls here at exit")
     args = parser.parse_args()
@@ -51,20 +61,26 @@ def main() -> None:
 
     def count(frame: FrameType, event: str, arg: object) -> None:
         nonlocal calls
-        if event != "call":
-            return
-        code = frame.f_code
-        found = matches.get(code)
-        if found is None:
-            # a module's own code runs once, at import, before run_stage takes over: a real Ctrl-C there is the
-            # stages package's start-up handler's (tests/test_user_inputs.py), not a fault inside the stage
-            found = matches[code] = code.co_name != "<module>" and bool(where.search(name(code)))
-        if not found:
+        if event == "c_call":
+            label = f"c:{getattr(arg, '__module__', None)}.{getattr(arg, '__name__', None)}"
+            if not where.search(label):
+                return
+        elif event == "call":
+            code = frame.f_code
+            found = matches.get(code)
+            if found is None:
+                # a module's own code runs once, at import, before run_stage takes over: a real Ctrl-C there is the
+                # stages package's start-up handler's (tests/test_user_inputs.py), not a fault inside the stage
+                found = matches[code] = code.co_name != "<module>" and bool(where.search(name(code)))
+            if not found:
+                return
+            label = name(code)
+        else:
             return
         calls += 1
         if calls == args.at:
             sys.setprofile(None)
-            print(f"fault: {args.kind} at call {calls}: {name(code)}", file=sys.stderr, flush=True)
+            print(f"fault: {args.kind} at call {calls}: {label}", file=sys.stderr, flush=True)
             raise fault(args.kind)
 
     if args.count is not None:
