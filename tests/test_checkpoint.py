@@ -4,8 +4,10 @@ check, and a tampered optimizer file refused."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -128,3 +130,69 @@ def test_too_little_disk_space_names_the_param_and_folder(tmp_path: Path) -> Non
     with pytest.raises(PipelineError, match=rf"^ppo.checkpoint_every: {tmp_path} has \d+ MiB free, checkpoints "
                                             r"need about \d+ MiB"):
         checkpoint.check_room_for_checkpoints(tmp_path, 2**62, "ppo.checkpoint_every", "run-a")
+
+
+def edit_state(path: Path, change: Callable[[dict], object]) -> None:
+    state = json.loads((path / checkpoint.STATE_FILE).read_text())
+    change(state)
+    (path / checkpoint.STATE_FILE).write_text(json.dumps(state))
+
+
+def half_deleted(path: Path) -> None:
+    """What a kill inside a file-by-file deletion could leave: state.json (the right fingerprint) without weights."""
+    (path / checkpoint.WEIGHTS_FILE).unlink()
+    (path / checkpoint.OPTIMIZER_FILE).unlink()
+
+
+def stray_file(path: Path) -> None:
+    shutil.rmtree(path)
+    path.write_text("not a checkpoint\n")
+
+
+DAMAGES = {
+    "weights-truncated": lambda path: os.truncate(path / checkpoint.WEIGHTS_FILE, 40),
+    "optimizer-truncated": lambda path: os.truncate(path / checkpoint.OPTIMIZER_FILE, 100),
+    "key-missing": lambda path: edit_state(path, lambda state: state.pop("data")),
+    "half-deleted": half_deleted,
+    "copies-gone": lambda path: shutil.rmtree(path / checkpoint.FILES_DIR),
+    "copy-truncated": lambda path: os.truncate(path / checkpoint.FILES_DIR / "rollouts/steps-0.parquet", 10),
+    "step-past-the-end": lambda path: edit_state(path, lambda state: state.update(step=99)),
+    "a-stray-file": stray_file,
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES.values(), ids=DAMAGES.keys())
+def test_a_damaged_checkpoint_is_set_aside_and_the_newest_whole_one_used(damage: Callable[[Path], None],
+                                                                         tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint is checked before use against what its state.json (written last) says was saved; a damaged one
+    is removed with one log line, and the run resumes from its newest whole checkpoint (here an older one)."""
+    model, folder, copies = torch.nn.Linear(3, 2), tmp_path / "ppo", tmp_path / "staged"
+    (copies / "rollouts").mkdir(parents=True)
+    (copies / "rollouts/steps-0.parquet").write_bytes(b"PAR1" * 100)
+    state = {"fingerprint": "run-a", "data": {"drawn": 3}}
+    older = checkpoint.save(folder, 1, model, {}, state, {"rollouts": copies / "rollouts"})
+    shutil.copytree(older, tmp_path / "older")
+    newest = checkpoint.save(folder, 3, model, {}, state, {"rollouts": copies / "rollouts"})
+    shutil.copytree(tmp_path / "older", older)  # an older whole checkpoint of the same run, beside the newest
+    damage(newest)
+    caplog.set_level("INFO")
+    found = checkpoint.find(folder, "run-a", required=("data",), steps=10)
+    assert found is not None and found.path == older
+    assert f"removing {newest} (" in caplog.text and not os.path.lexists(newest)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000001"]  # nothing half removed left behind
+
+
+def test_a_removed_checkpoint_vanishes_in_one_step(tmp_path: Path) -> None:
+    """An old checkpoint goes by one rename to a hidden name first (a kill during the deletion leaves no visible half
+    of it), and the next find clears what such a kill left."""
+    model, folder = torch.nn.Linear(3, 2), tmp_path / "ppo"
+    first = checkpoint.save(folder, 1, model, {}, {"fingerprint": "run-a"}, {})
+    renames = []
+    real = os.replace
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "replace", lambda src, dst: (renames.append((Path(src), Path(dst))), real(src, dst)))
+        checkpoint.save(folder, 3, model, {}, {"fingerprint": "run-a"}, {})
+    assert renames[-1] == (first, folder / ".step-000001.removed")
+    (folder / ".step-000002.removed").mkdir()  # a kill during a deletion
+    assert checkpoint.find(folder, "run-a").step == 3 and not (folder / ".step-000002.removed").exists()

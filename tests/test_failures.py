@@ -13,10 +13,12 @@ The random-point test draws where (and what) to fail from a generator seeded by 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -262,8 +264,8 @@ def test_a_commit_failing_half_way_puts_every_previous_output_back(tmp_path: Pat
 def test_too_little_disk_for_an_output_stops_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     policy = Path("models/policy")
-    with StagedOutputs([policy]) as outputs, pytest.raises(
-            PipelineError, match=r"^models/policy: models has \d+ MiB free, the new output needs about \d+ MiB "):
+    with pytest.raises(PipelineError, match=r"^models/policy: models has \d+ MiB free, the new output needs about "
+                                            r"\d+ MiB "), StagedOutputs([policy]) as outputs:
         outputs.check_free_space(policy, shutil.disk_usage(tmp_path).free + 2**30)
 
 
@@ -277,3 +279,130 @@ def test_written_files_get_the_users_umask(tiny_gpt2_dir: Path, tmp_path: Path) 
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "model", *(tmp_path / "model").iterdir()]}
     assert modes == {"model": 0o777 & ~umask} | {name: 0o666 & ~umask for name in modes if name != "model"}
     assert "model.safetensors" in modes
+
+
+# --- no run's outputs mix with another's, whatever is killed when (issue 33) ----------------------------------------
+
+
+def count_calls(project: Path, stage: str, where: str, tmp_path: Path) -> int:
+    """The calls matching ``where`` a complete run of ``stage`` makes (in a copy of ``project``)."""
+    copy = shutil.copytree(project, tmp_path / "count", symlinks=True)
+    counted = tmp_path / "calls"
+    assert run_with_fault(copy, stage, "--where", where, "--count", str(counted)).returncode == 0
+    return int(counted.read_text())
+
+
+def states(project: Path, stage: str, old: dict[str, bytes]) -> dict[str, str]:
+    """Each output of ``stage``: 'old' (as ``old`` has it), 'new', or 'missing'."""
+    found = snapshot(project, stage)
+    result = {}
+    for output in wiring(stage, project / "dvc.yaml").outputs:
+        mine = {name: data for name, data in found.items() if Path(name) == output or output in Path(name).parents}
+        was = {name: data for name, data in old.items() if Path(name) == output or output in Path(name).parents}
+        result[str(output)] = "missing" if not mine else "old" if mine == was else "new"
+    return result
+
+
+REPLACE = r"^c:posix\.replace$"  # every os.replace: the final replacement's renames are a run's last 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before_end", [6, 3, 0], ids=["setting-aside", "moving-in", "last-rename"])
+def test_a_kill_during_the_final_renames_never_leaves_two_runs_outputs(
+        before_end: int, stage_project: Callable[[str], Path], tmp_path: Path) -> None:
+    """kill -9 at a rename of ppo's final replacement (4 previous outputs set aside, then 4 new ones moved in), then
+    a rerun that stops once it runs (Ctrl-C at its first step): the outputs are one run's, never a mix."""
+    project = stage_project("ppo")
+    old = plant_outputs(project, "ppo")
+    total = count_calls(project, "ppo", REPLACE, tmp_path)
+    result = run_with_fault(project, "ppo", "--where", REPLACE, "--at", str(total - before_end), "--kind", "kill")
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    result = run_with_fault(project, "ppo", "--where", r"ppo_trainer\.py:PPOTrainer\.step$", "--at", "1",
+                            "--kind", "interrupt")
+    assert result.returncode == 130, result.stderr
+    found = states(project, "ppo", old)
+    assert set(found.values()) == {"new"}, found  # the killed run had staged them all: its set is finished
+    assert leftovers(project, "ppo") == []
+
+
+def planted_replacement(tmp_path: Path, journal: bool) -> list[Path]:
+    """The files a replacement killed half-way leaves: output a moved in (its previous one set aside), output b set
+    aside with its new one still staged; with or without the journal."""
+    outputs = [Path("metrics/a.json"), Path("data/b")]
+    for folder in ("metrics", "data/.b.staged", "data/checkpoints", "data/.b.replaced"):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "metrics/a.json").write_text("new a")
+    (tmp_path / "metrics/.a.json.replaced").write_text("old a")
+    (tmp_path / "data/.b.replaced/x").write_text("old b")
+    (tmp_path / "data/.b.staged/x").write_text("new b")
+    if journal:
+        (tmp_path / "data/checkpoints/.demo.commit").write_text("1\n")
+    return outputs
+
+
+@pytest.mark.parametrize("journal", [True, False], ids=["moving-in", "putting-back"])
+def test_the_next_run_finishes_a_replacement_a_kill_left_half_done(journal: bool, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the journal every new output was staged: the next run moves the rest in. Without it a failed replacement
+    was putting the previous outputs back: the next run puts back the rest. Either way, one run's set."""
+    monkeypatch.chdir(tmp_path)
+    outputs = planted_replacement(tmp_path, journal)
+    with pytest.raises(KeyboardInterrupt), StagedOutputs(outputs, "demo"):
+        raise KeyboardInterrupt  # the next run stops as soon as it has entered
+    which = "new" if journal else "old"
+    assert (Path("metrics/a.json").read_text(), Path("data/b/x").read_text()) == (f"{which} a", f"{which} b")
+    assert sorted(p.name for p in [*Path("metrics").iterdir(), *Path("data").iterdir()]) == ["a.json", "b",
+                                                                                           "checkpoints"]
+    assert not Path("data/checkpoints/.demo.commit").exists()
+
+
+def test_a_stage_that_leaves_an_output_unwritten_replaces_none(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replacing a previous output by nothing would pass for a result: a bug, and every previous output stays."""
+    monkeypatch.chdir(tmp_path)
+    Path("metrics").mkdir()
+    Path("metrics/a.json").write_text("old a")
+    Path("metrics/b.json").write_text("old b")
+    outputs = [Path("metrics/a.json"), Path("metrics/b.json")]
+    with pytest.raises(RuntimeError, match=r"without writing metrics/b\.json; the previous outputs are kept"), \
+            StagedOutputs(outputs, "demo") as staged:
+        write_text("new a", staged[Path("metrics/a.json")])
+    assert (Path("metrics/a.json").read_text(), Path("metrics/b.json").read_text()) == ("old a", "old b")
+    assert sorted(p.name for p in Path("metrics").iterdir()) == ["a.json", "b.json"]
+
+
+@pytest.mark.slow
+def test_a_kill_while_a_finished_run_removes_its_checkpoint_leaves_it_whole_or_gone(
+        stage_project: Callable[[str], Path], tmp_path: Path) -> None:
+    """kill -9 inside the removal of the finished run's checkpoint (its outputs already in place): no checkpoint is
+    left half deleted (state.json beside missing weights made every rerun fail), and a rerun completes."""
+    project = stage_project("ppo")
+    unlinks = count_calls(project, "ppo", r"^c:posix\.unlink$", tmp_path)
+    result = run_with_fault(project, "ppo", "--where", r"^c:posix\.unlink$", "--at", str(unlinks - 1),
+                            "--kind", "kill")
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    for kept in (project / "data/checkpoints/ppo").glob("step-*"):
+        state = json.loads((kept / "state.json").read_text())
+        assert all((kept / name).is_file() for name in state["manifest"]), f"{kept} is half deleted"
+    result = run_cli(project, "ppo")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert leftovers(project, "ppo") == [] and not list((project / "data/checkpoints").glob(".*.removed"))
+
+
+@pytest.mark.parametrize("how", ["a file", "immutable"])
+def test_a_checkpoints_folder_that_cannot_hold_the_lock_is_one_line(how: str, stage_project: Callable[[str], Path],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    project = stage_project("ppo")
+    previous = plant_outputs(project, "ppo")
+    folder = project / "data/checkpoints"
+    monkeypatch.chdir(project)
+    if how == "a file":
+        folder.write_text("not a folder\n")
+        with pytest.raises(PipelineError, match=r"^data/checkpoints: data/checkpoints is a file, not a folder"):
+            ppo_stage.main()
+    else:
+        folder.mkdir()
+        with unwritable(folder), pytest.raises(PipelineError, match=r"^data/checkpoints: cannot write in "
+                                                                    r"data/checkpoints/ \(.+\); nothing was run$"):
+            ppo_stage.main()
+    assert snapshot(project, "ppo") == previous

@@ -299,3 +299,28 @@ def test_a_killed_sft_or_reward_run_resumes_to_the_uninterrupted_result(
         assert f"{stage}: resuming after step {int(left[-1].removeprefix('step-'))}" in result.stderr
     assert stage_outputs(project, stage) == stage_outputs(reference, stage)
     assert not (project / "data/checkpoints" / stage).exists()
+
+
+FAULT = Path(__file__).parent / "fault.py"
+STEP = r"ppo_trainer\.py:PPOTrainer\.step$"  # one call per PPO step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["weights", "copies"])
+def test_a_damaged_checkpoint_is_set_aside_and_the_rerun_completes_whole(damage: str, ppo_project: Path) -> None:
+    """Stopped after its step-3 checkpoint, whose weights are then truncated (or whose copies of the rollout log are
+    deleted): the rerun says so in one line, starts over, and its rollout log has every step once."""
+    set_params(ppo_project, **{"ppo.steps": 8, "ppo.checkpoint_every": 2})
+    result = run(ppo_project, sys.executable, str(FAULT), "ppo", "--where", STEP, "--at", "6", "--kind", "interrupt")
+    assert result.returncode == 130, result.stderr
+    kept = ppo_project / CHECKPOINTS / newest_checkpoint(ppo_project)
+    if damage == "weights":
+        os.truncate(kept / "model.safetensors", 1000)
+    else:
+        shutil.rmtree(kept / "files")
+    result = run(ppo_project)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert f"removing {CHECKPOINTS}/{kept.name} (damaged: " in result.stderr
+    assert "resuming" not in result.stderr
+    rollouts = pd.read_parquet(ppo_project / "data/rollouts")
+    assert rollouts.groupby("step").size().to_dict() == {step: 4 for step in range(8)}

@@ -1,11 +1,8 @@
 """Writing outputs so that a stage either completes and replaces all of them, or fails and leaves every previous one
 as it was.
 
-- ``StagedOutputs``: a stage's outputs (dvc.yaml's outs, metrics and plots of the stage); it holds the stage's lock
-  (one run of a stage per workspace), and checks that their folders are writable and every previous output can be
-  moved aside, before anything loads; everything is written under staging siblings and moved into place together when
-  the stage's block completes, and only then are the stage's checkpoints deleted. A failure (an error, Ctrl-C, a full
-  disk) deletes the staging and touches no output.
+- ``StagedOutputs``: a stage's outputs (dvc.yaml's outs, metrics and plots of the stage), written under staging
+  siblings and replaced together when the stage completes, under the stage's lock (one run per workspace).
 - ``atomic_path``: one file or folder written to a temporary sibling and renamed into place, with the user's umask,
   a full disk reported as ``disk full writing <output>``.
 """
@@ -15,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -30,9 +28,13 @@ from rlhf.pipeline.errors import DiskFull, PipelineError, is_disk_full
 from rlhf.pipeline.paths import CHECKPOINTS_DIR, checkpoint_dir, output_path, staging_path
 from rlhf.pipeline.wiring import wiring
 
+log = logging.getLogger(__name__)
+
 UMASK = os.umask(0o022)
 os.umask(UMASK)
 REPLACED = ".replaced"  # suffix of a previous output moved aside while the new ones move in
+REMOVED = ".removed"  # suffix of a folder being deleted (discard)
+JOURNAL = ".commit"  # data/checkpoints/.<stage>.commit: a run's outputs are moving in (StagedOutputs)
 DISABLED_MARKER = "DISABLED"  # the one file of a switched-off stage's model folder
 
 
@@ -115,6 +117,8 @@ def require_free_space(folder: Path, needed: int, culprit: str, what: str, hint:
 def check_writable(folder: Path, output: Path) -> None:
     """Create and delete a file in ``folder`` (what os.access cannot tell for root, a read-only mount or an
     immutable folder)."""
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise PipelineError(f"{output}: {folder} is a file, not a folder: move it away; nothing was run")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=folder)
@@ -141,7 +145,7 @@ def lock_stage(stage: str) -> int:
     """Hold ``data/checkpoints/.<stage>.lock`` until the process ends (the OS releases it, even after a kill -9), or
     refuse in one line while another process of this workspace holds it. Returns the lock's descriptor."""
     path = CHECKPOINTS_DIR / f".{stage}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(path.parent, path.parent)  # a file there, or an immutable folder: one line, not a traceback
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~UMASK)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -160,21 +164,43 @@ def replaced_path(output: Path) -> Path:
     return output.parent / f".{output.name}{REPLACED}"
 
 
+def discard(path: Path) -> None:
+    """Delete ``path`` so that it is gone at once, whatever stops the deletion: renamed to a hidden
+    ``.<name>.removed`` sibling first (one rename), then deleted; ``clear_discarded`` removes what a kill left."""
+    if not os.path.lexists(path):
+        return
+    aside = path.parent / f".{path.name}{REMOVED}"
+    remove(aside)
+    os.replace(path, aside)
+    remove(aside)
+
+
+def clear_discarded(folder: Path) -> None:
+    """Finish the deletions (``discard``) a killed run left in ``folder``."""
+    for path in folder.glob(f".*{REMOVED}") if folder.is_dir() else []:
+        remove(path)
+
+
 class StagedOutputs:
     """A stage's outputs, written under ``paths.staging_path`` siblings and moved into place together on success.
 
-    Entering checks that every output's folder is writable, takes ``stage``'s lock (when given), clears what a killed
-    run left behind and checks that every previous output can be moved aside. ``outputs[path]`` is where to write
-    ``path`` (an output or a file inside one). Leaving the block normally replaces every output by its staged version
-    (an output not written is removed), then deletes ``stage``'s checkpoints (data/checkpoints/<stage>): a run is
-    finished only once its outputs are in place. Leaving it by an exception (Ctrl-C included) deletes the staging and
-    touches nothing.
+    Entering checks that every output's folder (and the lock's) is writable, takes ``stage``'s lock (when given),
+    finishes what a killed run left half done (``recover``) and checks that every previous output can be moved
+    aside. ``outputs[path]`` is where to write ``path`` (an output or a file inside one). Leaving the block normally
+    replaces every output by its staged version (each must have been written), then deletes ``stage``'s checkpoints
+    (data/checkpoints/<stage>): a run is finished only once its outputs are in place. Leaving it by an exception
+    (Ctrl-C included) deletes the staging and touches nothing.
+
+    The replacement is one unit whatever is killed when: the journal ``data/checkpoints/.<stage>.commit`` exists
+    from the moment every new output is staged until the previous ones are gone; a run that finds it finishes moving
+    the new set in, one that does not puts every previous output back. So the outputs are never a mix of two runs'.
     """
 
     def __init__(self, outputs: Iterable[Path], stage: str | None = None) -> None:
         self.outputs = [Path(p) for p in outputs]
         self.stage = stage
         self.lock: int | None = None
+        self.journal = CHECKPOINTS_DIR / f".{stage}{JOURNAL}" if stage is not None else None
 
     @classmethod
     def of(cls, stage: str) -> StagedOutputs:
@@ -194,18 +220,26 @@ class StagedOutputs:
         if self.stage is not None:  # before the leftovers of a killed run are cleared: they may be a running one's
             self.lock = lock_stage(self.stage)
         try:
+            self.recover()
             for output in self.outputs:
-                backup = replaced_path(output)
-                if os.path.lexists(backup) and not os.path.lexists(output):
-                    os.replace(backup, output)  # a kill in the middle of the final moves: the previous output returns
-                remove(backup)
                 remove(staging_path(output))
-            for output in self.outputs:
                 check_movable(output)
         except BaseException:
             self.unlock()
             raise
         return self
+
+    def recover(self) -> None:
+        """Finish what a killed run left: its journal means every new output had been staged and they were moving
+        in (move the rest in); previous outputs set aside without it mean a failed replacement was putting them back
+        (put the rest back)."""
+        if self.journal is not None and self.journal.exists():
+            log.info("%s: finishing the replacement of its outputs that a stopped run began", self.stage)
+            self.move_in()
+            self.finish(checkpoints=False)  # under DVC, which recorded nothing, a rerun of that run resumes from them
+        self.put_back()
+        if self.stage is not None:
+            clear_discarded(CHECKPOINTS_DIR)
 
     def unlock(self) -> None:
         if self.lock is not None:
@@ -221,8 +255,6 @@ class StagedOutputs:
                 except BaseException:
                     self.discard()
                     raise
-                if self.stage is not None:
-                    shutil.rmtree(checkpoint_dir(self.stage), ignore_errors=True)  # the run is complete
             else:
                 self.discard()
         finally:
@@ -239,31 +271,55 @@ class StagedOutputs:
                          " (the previous one is replaced only when the stage completes)")
 
     def commit(self) -> None:
-        """Move every previous output aside, every staged one in, then delete the previous ones; on any failure
-        before the end, put everything back as it was."""
-        moved: list[tuple[Path, Path]] = []
+        """Replace the previous outputs by the staged ones (``move_in``), then ``finish``; on a failure before the
+        end, put every previous output back."""
+        unwritten = [output for output in self.outputs if not os.path.lexists(staging_path(output))]
+        if unwritten:  # a stage's bug: replacing a previous output by nothing would pass for a result
+            raise RuntimeError(f"{self.stage}: finished without writing {unwritten[0]}; the previous outputs are kept")
+        if self.journal is not None:
+            write_text(f"{os.getpid()}\n", self.journal)
         try:
-            for output in self.outputs:
-                backup = replaced_path(output)
-                if os.path.lexists(output):
-                    os.replace(output, backup)
-                moved.append((output, backup))
-            for output in self.outputs:
-                if os.path.lexists(staging_path(output)):
-                    os.replace(staging_path(output), output)
+            self.move_in()
         except BaseException:
-            for output, backup in reversed(moved):
-                remove(output)
-                if os.path.lexists(backup):
-                    os.replace(backup, output)
+            if self.journal is not None:
+                remove(self.journal)
+            self.put_back()
             raise
-        # the stage is complete: from here on only the standard library runs, and nothing may fail it
-        for _, backup in moved:
-            if backup.is_dir() and not backup.is_symlink():
-                shutil.rmtree(backup, ignore_errors=True)
-            elif os.path.lexists(backup):
-                with contextlib.suppress(OSError):
-                    backup.unlink()
+        self.finish()
+
+    def move_in(self) -> None:
+        """Every previous output aside (``.<name>.replaced``), then every staged one in; a repeat after a kill does
+        what is left."""
+        for output in self.outputs:
+            backup, staged = replaced_path(output), staging_path(output)
+            with naming_disk_full(output):
+                if os.path.lexists(staged) and os.path.lexists(output) and not os.path.lexists(backup):
+                    os.replace(output, backup)
+        for output in self.outputs:
+            with naming_disk_full(output):
+                if os.path.lexists(staging_path(output)):
+                    remove(output)
+                    os.replace(staging_path(output), output)
+
+    def put_back(self) -> None:
+        """Every previous output set aside returns to its place (over a new one moved in)."""
+        for output in self.outputs:
+            backup = replaced_path(output)
+            if os.path.lexists(backup):
+                remove(output)
+                os.replace(backup, output)
+
+    def finish(self, checkpoints: bool = True) -> None:
+        """The new outputs are in place: delete the previous ones and (``checkpoints``) the stage's checkpoints, then
+        the journal. Only the standard library runs here, and nothing may fail the stage."""
+        for output in self.outputs:
+            with contextlib.suppress(OSError):
+                remove(replaced_path(output))
+        with contextlib.suppress(OSError):
+            if self.stage is not None and checkpoints:
+                discard(checkpoint_dir(self.stage))
+            if self.journal is not None:
+                self.journal.unlink(missing_ok=True)
 
 
 def run_switchable(stage: str, enabled: bool, train: Callable[[StagedOutputs], None], folder: Path,

@@ -2,15 +2,17 @@
 
 DVC deletes a stage's outputs before it runs, so checkpoints live in ``data/checkpoints/<stage>/`` (git-ignored, not a
 DVC output). Each is a folder ``step-NNNNNN`` written to a temporary sibling and renamed into place (io.atomic_path),
-so a kill at any moment leaves the previous checkpoint or the new one, never half of one. Its ``state.json`` carries a
-fingerprint of everything that determines the run (params, input files, code, library versions, process count); a
-checkpoint with another fingerprint belongs to another run and is removed. A completed run deletes its
-checkpoints once its outputs are in place (io.StagedOutputs).
+so a kill at any moment leaves the previous checkpoint or the new one, never half of one; an old one goes by one rename
+first (io.discard). Its ``state.json``, written last, carries a fingerprint of everything that determines the run
+(params, input files, code, library versions, process count) and the size of every file saved; a checkpoint with
+another fingerprint belongs to another run, and one that does not match what was saved (``damage``) is damaged:
+either is removed with a log line, and the run resumes from its newest whole checkpoint or starts over. A completed
+run deletes its checkpoints once its outputs are in place (io.StagedOutputs).
 
 Layout of a checkpoint:
     model.safetensors   every weight of the trained module (policy, and value head and critic where trained)
     optimizer.pt        the optimizer's state (torch.save; loaded with weights_only=True)
-    state.json          step, fingerprint, the trainer's scalars, every RNG state (tensors as base64)
+    state.json          step, fingerprint, the trainer's scalars, every RNG state (tensors as base64), the manifest
     files/<name>/       copies of the staged outputs written so far (rollout log chunks, curves), restored on resume
 """
 
@@ -21,6 +23,7 @@ import json
 import logging
 import pickle
 import shutil
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +32,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
+from rlhf.models.loading import safetensors_problem
 from rlhf.pipeline.errors import PipelineError
-from rlhf.pipeline.io import atomic_path, check_writable, require_free_space
+from rlhf.pipeline.io import atomic_path, check_writable, clear_discarded, discard, require_free_space
 from rlhf.pipeline.params import Params, expand, stage_values
 from rlhf.pipeline.paths import CHECKPOINT_PREFIX, checkpoints
 from rlhf.pipeline.wiring import wiring
@@ -41,6 +45,7 @@ STATE_FILE = "state.json"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 FILES_DIR = "files"
+MANIFEST = "manifest"  # state.json's {file: size} of everything saved before it
 CODE = ("stages/", "rlhf/")  # the dvc.yaml deps that are the project's code
 ROOT = Path(__file__).resolve().parents[2]  # the project whose code runs
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq: an AdamW checkpoint holds each weight three times
@@ -124,7 +129,8 @@ def check_room_for_checkpoints(folder: Path, needed: int, key: str, fingerprint:
 
 def save(folder: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any], state: dict[str, Any],
          files: dict[str, Path]) -> Path:
-    """Write checkpoint ``step`` atomically (temp sibling, then rename), then remove the older ones."""
+    """Write checkpoint ``step`` atomically (temp sibling, then rename), state.json last with the size of every file
+    written before it, then remove the older ones."""
     final = folder / f"{CHECKPOINT_PREFIX}{step:06d}"
     with atomic_path(final) as tmp:
         tmp.mkdir()
@@ -133,36 +139,76 @@ def save(folder: Path, step: int, model: torch.nn.Module, optimizer_state: dict[
         for name, source in files.items():
             if source.exists():
                 shutil.copytree(source, tmp / FILES_DIR / name)
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}), encoding="utf-8")
+        manifest = {file.relative_to(tmp).as_posix(): file.stat().st_size
+                    for file in sorted(tmp.rglob("*")) if file.is_file()}
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state, MANIFEST: manifest}), encoding="utf-8")
     for old in checkpoints(folder):
         if old != final:
-            shutil.rmtree(old)
+            discard(old)
     return final
 
 
 def read_state(path: Path) -> dict[str, Any]:
     """A checkpoint's state.json; {} (matches no run) when it is missing or unreadable, e.g. edited by hand."""
     try:
-        return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+    return state if isinstance(state, dict) else {}
 
 
-def find(folder: Path, fingerprint: str, prune: bool = True) -> Checkpoint | None:
-    """The newest checkpoint of this run, if any. With ``prune`` (the main process), checkpoints of other runs and
-    temporaries of killed saves are removed, with a log line."""
+def damage(path: Path, state: dict[str, Any], required: Iterable[str], steps: int | None) -> str | None:
+    """Why checkpoint ``path`` (its ``state``) cannot be resumed from, None when it can: state.json lacks a key the
+    run reads (``required``), its step is past the run's ``steps``, a file is missing or not the size it was saved
+    with (a kill, a full disk, a hand), the weights' header disagrees with their size, optimizer.pt is no whole
+    archive."""
+    missing = [key for key in ("step", "fingerprint", MANIFEST, *required) if key not in state]
+    if missing:
+        return f"{STATE_FILE} lacks {', '.join(missing)}"
+    if not isinstance(state["step"], int) or not 0 <= state["step"] < (steps if steps is not None else 2**62):
+        return f"its step {state['step']!r} is not a step of this run"
+    for name, size in state[MANIFEST].items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} is {file.stat().st_size} bytes, {size} when saved"
+    if problem := safetensors_problem(path / WEIGHTS_FILE):
+        return f"{WEIGHTS_FILE}: {problem}"
+    try:
+        with zipfile.ZipFile(path / OPTIMIZER_FILE) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile) as e:
+        return f"{OPTIMIZER_FILE}: {e}"
+    return f"{OPTIMIZER_FILE}: {bad} is corrupt" if bad else None
+
+
+def find(folder: Path, fingerprint: str, prune: bool = True, required: Iterable[str] = (),
+         steps: int | None = None) -> Checkpoint | None:
+    """The newest whole checkpoint of this run (``damage``: the keys its loader reads, ``required``, and the run's
+    ``steps``), if any. With ``prune`` (the main process), other runs' checkpoints, damaged ones, older ones and
+    what killed saves or removals left are removed, one log line each: the run resumes from the newest good one."""
     found = None
     for path in reversed(checkpoints(folder)):
         state = read_state(path)
-        if state.get("fingerprint") == fingerprint and found is None:
+        if not path.is_dir():
+            reason = "not a checkpoint folder"
+        elif state.get("fingerprint") != fingerprint:
+            reason = "another run's checkpoint: params, inputs or code changed since"
+        elif found is not None:
+            reason = "an older checkpoint of this run"
+        elif (why := damage(path, state, required, steps)) is not None:
+            reason = f"damaged: {why}"
+        else:
             found = Checkpoint(path, state["step"], state)
-        elif prune:
-            reason = "an older checkpoint" if state.get("fingerprint") == fingerprint else "another run's checkpoint"
-            log.info("removing %s (%s: params, inputs or code changed since)", path, reason)
-            shutil.rmtree(path)
+            continue
+        if prune:
+            log.info("removing %s (%s)", path, reason)
+            discard(path)
     if prune and folder.is_dir():
         for tmp in folder.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
             shutil.rmtree(tmp, ignore_errors=True)
+        clear_discarded(folder)
     return found
 
 

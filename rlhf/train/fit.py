@@ -29,6 +29,7 @@ from rlhf.train.batches import Batches
 log = logging.getLogger(__name__)
 
 LOSS_WINDOW = 20  # steps averaged in the progress bar
+STATE_KEYS = ("losses", "seconds", "data", "rng")  # what a resume reads from a checkpoint's state.json
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def resume(folder: Path, plan: FitPlan, model: torch.nn.Module, optimizer: torch
     The disk is checked first, naming the checkpoint key: a checkpoint is written before the previous one goes."""
     checkpoint.check_room_for_checkpoints(folder, checkpoint.checkpoint_bytes(model),
                                           f"{plan.section}.checkpoint_every", plan.fingerprint)
-    found = checkpoint.find(folder, plan.fingerprint)
+    found = checkpoint.find(folder, plan.fingerprint, required=STATE_KEYS, steps=plan.steps)
     if found is None:
         return None
     checkpoint.load_weights(found, model)

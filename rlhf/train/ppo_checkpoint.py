@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
+STATE_KEYS = ("trainer", "data", "rng", "live_step", "last_stats")  # what a resume reads from state.json
+
 
 def run_fingerprint(params: Params, processes: int) -> str:
     """What determines a PPO run: the params the stage reads, its input files, the number of processes."""
@@ -80,8 +82,8 @@ def find_checkpoint(params: Params, policy: PolicyWithValueHead,
     if accelerator.is_main_process:
         checkpoint.check_room_for_checkpoints(ckpt.folder, checkpoint.checkpoint_bytes(policy),
                                               "ppo.checkpoint_every", ckpt.fingerprint)
-        found = checkpoint.find(ckpt.folder, ckpt.fingerprint, prune=True)
+        found = checkpoint.find(ckpt.folder, ckpt.fingerprint, True, STATE_KEYS, params.ppo.steps)
     accelerator.wait_for_everyone()  # the main process has pruned other runs' checkpoints
     if not accelerator.is_main_process:
-        found = checkpoint.find(ckpt.folder, ckpt.fingerprint, prune=False)
+        found = checkpoint.find(ckpt.folder, ckpt.fingerprint, False, STATE_KEYS, params.ppo.steps)
     return ckpt, found
