@@ -39,7 +39,7 @@ from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
 from rlhf.models.precision import pick_device
 from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.cli import run_stage
-from rlhf.pipeline.errors import DataError, ModelError, interrupted_at
+from rlhf.pipeline.errors import DataError, ModelError, TrainingError, interrupted_at
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, write_disabled, write_json
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import POLICY_DIR, PPO_CURVES, PPO_METRICS, ROLLOUTS_DIR, TRAIN_PROMPTS
@@ -181,6 +181,9 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                     ckpt.save(step, trainer, order, live.step if is_main else 0, last, accelerator)
     if is_main:
         writer.flush()
+    if trainer.skipped_batches >= cfg.steps:  # a run that trained nothing must not pass for a result
+        raise TrainingError(f"all {cfg.steps} steps were skipped (ppo.nan_policy: skip; the reward scorer returned "
+                            "NaN/inf in every batch): nothing was trained, the previous outputs are kept")
     return last
 
 

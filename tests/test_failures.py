@@ -26,12 +26,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import build_tiny_classifier, set_params, write_prompts
 from helpers import leftovers, run, run_cli, snapshot, training_project
+from safetensors.torch import load_file, save_file
 
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.scorers import ClassifierScorer
-from rlhf.pipeline.errors import ModelError, PipelineError
+from rlhf.pipeline.errors import ModelError, PipelineError, TrainingError
 from rlhf.pipeline.io import StagedOutputs, atomic_path, write_text
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.wiring import stages, wiring
@@ -387,6 +389,33 @@ def test_a_kill_while_a_finished_run_removes_its_checkpoint_leaves_it_whole_or_g
     result = run_cli(project, "ppo")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert leftovers(project, "ppo") == [] and not list((project / "data/checkpoints").glob(".*.removed"))
+
+
+# --- a run that changed nothing, or whose params changed under it, is no result (issue 33) -------------------------
+
+
+def nan_classifier(tiny_classifier_dir: Path, folder: Path) -> Path:
+    """A real classifier whose score head is NaN: every score it gives is NaN."""
+    shutil.copytree(tiny_classifier_dir, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors = {key: torch.full_like(value, float("nan")) if key.startswith("score") else value
+               for key, value in tensors.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.slow
+def test_a_run_that_skipped_every_batch_fails_and_changes_nothing(
+        stage_project: Callable[[str], Path], tiny_classifier_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    project = stage_project("ppo")
+    set_params(project, **{"reward.model": str(nan_classifier(tiny_classifier_dir, project / "nan-clf")),
+                           "ppo.nan_policy": "skip"})
+    previous = plant_outputs(project, "ppo")
+    monkeypatch.chdir(project)
+    with pytest.raises(TrainingError, match=r"^all 4 steps were skipped \(ppo.nan_policy: skip; .*\): nothing was "
+                                            r"trained, the previous outputs are kept$"):
+        ppo_stage.main()
+    assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
 
 
 @pytest.mark.parametrize("how", ["a file", "immutable"])
