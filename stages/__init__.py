@@ -3,9 +3,9 @@
 ``python -m stages.X`` imports this package before X's own imports (torch, transformers: seconds). While the package
 is imported on behalf of ``-m`` (sys.argv[0] is "-m" until the module is found):
 - ``-h``/``--help`` is answered here, from X's docstring and dvc.yaml, so it starts at once and loads no model;
-- Ctrl-C and SIGTERM end the process with one line and the signal's exit status (a stop pressed during the imports
-  would otherwise print a long traceback from inside them); rlhf.pipeline.cli.run_stage installs the handlers that
-  keep checkpoints once the stage starts.
+- Ctrl-C, SIGTERM and the other stop signals end the process with one line and the signal's exit status (a stop
+  during the imports would otherwise print a long traceback from inside them); rlhf.pipeline.cli.run_stage installs
+  the handlers that keep checkpoints once the stage starts.
 """
 
 import os
@@ -21,7 +21,9 @@ def _stop_while_starting(signum: int, frame: object) -> None:
 
 
 if sys.argv[:1] == ["-m"]:
-    for _signum in (signal.SIGINT, signal.SIGTERM):
+    from rlhf.pipeline.cli import STOP_SIGNALS
+
+    for _signum in STOP_SIGNALS:
         signal.signal(_signum, _stop_while_starting)
     _args = sys.orig_argv[sys.orig_argv.index("-m") + 1:]  # [stages.X, its arguments...]
     if _args[0].startswith("stages.") and {"-h", "--help"} & set(_args[1:]):

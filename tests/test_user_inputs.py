@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -126,13 +127,37 @@ def test_the_frontier_refuses_a_bad_setting_before_copying_anything(project: Pat
 # --- signals, a second run -------------------------------------------------------------------------------------------
 
 
-def test_ctrl_c_while_a_stage_imports_is_one_line_and_status_130(ppo_dir: Path) -> None:
+@pytest.mark.parametrize(("signum", "line"), [(signal.SIGINT, "interrupted"), (signal.SIGHUP, "stopped by SIGHUP")],
+                         ids=["ctrl-c", "sighup"])
+def test_a_stop_while_a_stage_imports_is_one_line_and_its_status(signum: int, line: str, ppo_dir: Path) -> None:
     process = start(ppo_dir)
     time.sleep(0.5)  # python is up, torch is being imported
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130
-    assert stderr.strip() == "interrupted while starting; nothing was run"
+    assert process.returncode == 128 + signum
+    assert stderr.strip() == f"{line} while starting; nothing was run"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1], ids=["sighup", "sigusr1"])
+def test_a_closed_terminal_or_a_schedulers_signal_keeps_the_checkpoint(signum: int, ppo_dir: Path) -> None:
+    """SIGHUP (the terminal closed) and SIGUSR1 (a scheduler's warning before its time limit) ended a stage without
+    a word: they stop it as SIGTERM does, in one line, keeping its checkpoint."""
+    before = snapshot(ppo_dir, "ppo")
+    set_params(ppo_dir, **{"ppo.steps": 5000})  # never finishes: the signal stops it
+    try:
+        process = start(ppo_dir)
+        wait_for_checkpoint(ppo_dir, process)
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 128 + signum, stderr
+        kept = checkpoint.checkpoints(ppo_dir / PPO_CHECKPOINTS)
+        assert re.fullmatch(rf"stopped by {signal.Signals(signum).name} at step \d+; checkpoint "
+                            rf"{re.escape(str(PPO_CHECKPOINTS / kept[-1].name))} kept; rerun to resume",
+                            stderr.strip().splitlines()[-1]), stderr
+        assert "Traceback" not in stderr and snapshot(ppo_dir, "ppo") == before
+    finally:
+        set_params(ppo_dir, **{"ppo.steps": TINY["ppo.steps"]})
+        shutil.rmtree(ppo_dir / PPO_CHECKPOINTS, ignore_errors=True)
 
 
 def test_sigterm_keeps_the_checkpoint_a_second_run_is_refused_and_ctrl_c_repeated_is_one_line(ppo_dir: Path) -> None:

@@ -1,5 +1,6 @@
 """How a stage script or a tool runs from the command line: every way it can fail turned into one line and an exit
-status (a PipelineError, a full disk or GPU out-of-memory: 1; Ctrl-C: 130; SIGTERM: 143), and a stage's ``--help``.
+status (a PipelineError, a full disk or GPU out-of-memory: 1; Ctrl-C: 130; another stop signal: 128 + its number),
+and a stage's ``--help``.
 Anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
@@ -56,9 +57,15 @@ def one_line(error: Exception, stage: str | None, out_of_memory: str | None) -> 
     return None
 
 
+# Ctrl-C, Ctrl-\\, kill's and a scheduler's stop, a closed terminal, the signals a scheduler sends before a time
+# limit (SIGUSR1/2: SLURM's --signal) and a CPU-time limit: each would otherwise end the stage without a word
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                signal.SIGXCPU)
+
+
 def stop_signals(handler: Callable[[int, object], None] | int) -> None:
-    """Ctrl-C (SIGINT) and a scheduler's or ``kill``'s stop (SIGTERM) alike get ``handler``."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    """Every signal of STOP_SIGNALS gets ``handler``."""
+    for signum in STOP_SIGNALS:
         signal.signal(signum, handler)
 
 
@@ -66,16 +73,17 @@ STOP_SIGNAL = [signal.SIGINT]  # the signal that stopped the run, for the messag
 
 
 def raise_interrupt(signum: int, frame: object) -> None:
-    """SIGTERM reads like Ctrl-C: a KeyboardInterrupt where the stage is, so it keeps its checkpoint."""
+    """A stop signal reads like Ctrl-C: a KeyboardInterrupt where the stage is, so it keeps its checkpoint."""
     STOP_SIGNAL[0] = signal.Signals(signum)
     raise KeyboardInterrupt
 
 
 def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> None:
     """Run the ``main`` of a stage script (module ``stages.<name>``) or of a tool: a PipelineError, a full disk or GPU
-    out-of-memory (``out_of_memory``: what to lower) is ``error: <message>`` and exit status 1; Ctrl-C or SIGTERM one
-    ``interrupted`` line and exit status 130 (143). A stage takes no argument (``-h`` is answered before it loads:
-    stages/__init__.py): any other is refused (exit status 2), not ignored."""
+    out-of-memory (``out_of_memory``: what to lower) is ``error: <message>`` and exit status 1; Ctrl-C (or another of
+    STOP_SIGNALS) one ``interrupted`` (``stopped by SIGTERM``) line and exit status 130 (128 + the signal). A stage
+    takes no argument (``-h`` is answered before it loads: stages/__init__.py): any other is refused (exit status 2),
+    not ignored."""
     module = sys.modules[main.__module__]
     name = module.__spec__.name if module.__spec__ else module.__name__
     stage = name.removeprefix("stages.") if name.startswith("stages.") else None
