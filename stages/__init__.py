@@ -5,7 +5,9 @@ is imported on behalf of ``-m`` (sys.argv[0] is "-m" until the module is found):
 - ``-h``/``--help`` is answered here, from X's docstring and dvc.yaml, so it starts at once and loads no model;
 - Ctrl-C, SIGTERM and the other stop signals end the process with one line and the signal's exit status (a stop
   during the imports would otherwise print a long traceback from inside them); rlhf.pipeline.cli.run_stage installs
-  the handlers that keep checkpoints once the stage starts.
+  the handlers that keep checkpoints once the stage starts;
+- the stage takes DVC's experiments lock on the workspace (rlhf/pipeline/under_dvc.py) before anything else, so that
+  a ``dvc exp run`` started beside it is refused by DVC before it rewrites params.yaml.
 """
 
 import os
@@ -30,3 +32,10 @@ if sys.argv[:1] == ["-m"]:
         from rlhf.pipeline.cli import print_help_and_exit
 
         print_help_and_exit(_args[0].removeprefix("stages."), Path(__file__).resolve().parents[1])
+    if _args[0].startswith("stages."):
+        from rlhf.pipeline.under_dvc import hold_workspace
+
+        if _busy := hold_workspace(f"python -m {_args[0]}"):
+            print(f"error: this workspace is busy: {_busy} (DVC's experiments lock: wait for that command); nothing "
+                  "was run", file=sys.stderr)
+            raise SystemExit(1)

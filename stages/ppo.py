@@ -179,6 +179,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                     writer.flush()
                 if ckpt is not None and step + 1 < cfg.steps:
                     ckpt.save(step, trainer, order, live.step if is_main else 0, last, accelerator)
+                    ckpt.stop_if_dvc_gone(step, accelerator)
     if is_main:
         writer.flush()
     if trainer.skipped_batches >= cfg.steps:  # a run that trained nothing must not pass for a result

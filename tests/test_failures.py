@@ -418,6 +418,29 @@ def test_a_run_that_skipped_every_batch_fails_and_changes_nothing(
     assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
 
 
+@pytest.mark.slow
+def test_params_changed_while_a_stage_runs_keep_its_outputs_from_being_replaced(
+        stage_project: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a second ``dvc exp run`` in the workspace (or an edit) does: params.yaml changes mid-run. DVC would record
+    the new values beside outputs trained with the old: the stage refuses to replace them, and keeps its checkpoint."""
+    project = stage_project("ppo")
+    previous = plant_outputs(project, "ppo")
+    monkeypatch.chdir(project)
+    real = ppo_stage.PPOTrainer.step
+
+    def step_then_edit(self: object, *args: object, **kwargs: object) -> object:
+        if args[-1] == 2:  # the step after the first checkpoint: another process writes params.yaml
+            set_params(project, **{"ppo.learning_rate": 2e-5})
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ppo_stage.PPOTrainer, "step", step_then_edit)
+    with pytest.raises(PipelineError, match=r"^params.yaml changed while ppo ran \(ppo.learning_rate: 1\.41e-05 -> "
+                                            r"2e-05\): its outputs were not replaced"):
+        ppo_stage.main()
+    assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
+    assert list((project / "data/checkpoints/ppo").glob("step-*"))
+
+
 @pytest.mark.parametrize("how", ["a file", "immutable"])
 def test_a_checkpoints_folder_that_cannot_hold_the_lock_is_one_line(how: str, stage_project: Callable[[str], Path],
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

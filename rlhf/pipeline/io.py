@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf.pipeline.errors import DiskFull, PipelineError, is_disk_full
+from rlhf.pipeline.params import changed_since_read
 from rlhf.pipeline.paths import CHECKPOINTS_DIR, checkpoint_dir, output_path, staging_path
 from rlhf.pipeline.wiring import wiring
 
@@ -187,9 +188,10 @@ class StagedOutputs:
     Entering checks that every output's folder (and the lock's) is writable, takes ``stage``'s lock (when given),
     finishes what a killed run left half done (``recover``) and checks that every previous output can be moved
     aside. ``outputs[path]`` is where to write ``path`` (an output or a file inside one). Leaving the block normally
-    replaces every output by its staged version (each must have been written), then deletes ``stage``'s checkpoints
-    (data/checkpoints/<stage>): a run is finished only once its outputs are in place. Leaving it by an exception
-    (Ctrl-C included) deletes the staging and touches nothing.
+    checks that params.yaml still holds the values the stage read (``params.changed_since_read``: a second ``dvc exp
+    run`` in the workspace rewrites it), then replaces every output by its staged version (each must have been
+    written), then deletes ``stage``'s checkpoints (data/checkpoints/<stage>): a run is finished only once its outputs
+    are in place. Leaving it by an exception (Ctrl-C included) deletes the staging and touches nothing.
 
     The replacement is one unit whatever is killed when: the journal ``data/checkpoints/.<stage>.commit`` exists
     from the moment every new output is staged until the previous ones are gone; a run that finds it finishes moving
@@ -273,6 +275,11 @@ class StagedOutputs:
     def commit(self) -> None:
         """Replace the previous outputs by the staged ones (``move_in``), then ``finish``; on a failure before the
         end, put every previous output back."""
+        if self.stage is not None and (change := changed_since_read(self.stage)):
+            raise PipelineError(f"params.yaml changed while {self.stage} ran ({change}): its outputs were not "
+                                "replaced, as DVC would record them with the new values (another dvc exp run in "
+                                "this workspace? run one at a time, or queue them: dvc exp run --queue); its "
+                                "checkpoint is kept: restore the params and rerun to resume")
         unwritten = [output for output in self.outputs if not os.path.lexists(staging_path(output))]
         if unwritten:  # a stage's bug: replacing a previous output by nothing would pass for a result
             raise RuntimeError(f"{self.stage}: finished without writing {unwritten[0]}; the previous outputs are kept")

@@ -248,12 +248,35 @@ def stage_values(params: Params, keys: list[str]) -> dict[str, Any]:
     return values
 
 
+READ: dict[str, tuple[Path, dict[str, Any]]] = {}  # stage -> (params file, the values load_params gave it)
+
+
 def load_params(stage: str | None = None, *, path: Path | str = PARAMS_FILE) -> Params:
     """Read and validate params.yaml (relative paths in it resolve against its folder); for ``stage``, its view
-    (``for_stage``) of the keys dvc.yaml lists for it."""
+    (``for_stage``) of the keys dvc.yaml lists for it, whose values are remembered (``changed_since_read``)."""
     path = Path(path)
     params = parse_params(read_yaml(path), path.parent)
-    return params if stage is None else for_stage(params, stage, expand(wiring(stage).params))
+    if stage is None:
+        return params
+    keys = expand(wiring(stage).params)
+    READ[stage] = (path.resolve(), stage_values(params, keys))
+    return for_stage(params, stage, keys)
+
+
+def changed_since_read(stage: str) -> str | None:
+    """What changed in params.yaml among the keys ``stage`` read since ``load_params(stage)`` ("ppo.learning_rate:
+    1e-05 -> 2e-05"), or None. DVC records the params file as it is when the stage ends: a value changed meanwhile
+    (a second ``dvc exp run`` in the workspace writes its -S values at once) would be recorded beside outputs made
+    with another."""
+    path, before = READ.get(stage, (None, {}))
+    if path != PARAMS_FILE.resolve():  # another project's (tests run stages of many in one process)
+        return None
+    try:
+        now = stage_values(parse_params(read_yaml(path), path.parent), list(before))
+    except ParamsError as e:
+        return f"it no longer validates: {e}"
+    changes = [f"{key}: {before[key]!r} -> {now[key]!r}" for key in before if now[key] != before[key]]
+    return "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else "") if changes else None
 
 
 @functools.cache
