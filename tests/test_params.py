@@ -91,7 +91,7 @@ def test_a_stage_reads_only_the_keys_dvc_yaml_lists_for_it(tmp_path: Path, monke
 
 
 @pytest.mark.parametrize(("dotted", "value", "key", "rule"), [
-    ("ppo.batch_size", -4, "ppo.batch_size", "> 0"),
+    ("ppo.batch_size", -4, "ppo.batch_size", ">= 2"),
     ("ppo.batch_size", "many", "ppo.batch_size", "integer"),
     ("ppo.learning_rate", True, "ppo.learning_rate", "number"),
     ("ppo.adap_kl_ctrl", "yes", "ppo.adap_kl_ctrl", "bool"),
@@ -110,7 +110,12 @@ def test_a_stage_reads_only_the_keys_dvc_yaml_lists_for_it(tmp_path: Path, monke
     ("sft.splits", ["train", "test"], "sft.splits", "'test'"),
     ("sft.splits", "train", "sft.splits", "list"),
     ("evaluate.judges", ["vader", 3], "evaluate.judges[1]", "str"),
-    ("seed", -1, "seed", ">= 0"),
+    ("seed", -1, "seed", "[0, 4294967296)"),
+    ("seed", 2**32, "seed", "[0, 4294967296)"),  # NumPy's seeds are 32-bit: ppo died in numpy
+    ("ppo.temperature", 1e-30, "ppo.temperature", ">= 0.01"),  # logits / 1e-30 lose every digit
+    ("ppo.batch_size", 1, "ppo.batch_size", ">= 2"),  # one sample of one token cannot be whitened
+    ("sft.block_size", 1, "sft.block_size", ">= 2"),  # a block of one token has no next token to predict
+    ("sft.max_tokens", 100, "sft.max_tokens", "at least one optimizer step's tokens"),  # trained one step anyway
 ])
 def test_each_rule_names_key_and_rule(raw: dict, dotted: str, value: object, key: str, rule: str) -> None:
     assert str(refused(with_value(raw, dotted, value), key, rule)).endswith(")")  # "(got <value>)"

@@ -104,7 +104,7 @@ def test_a_bad_preset_fails_before_running(tmp_path: Path) -> None:
     shutil.copy(ROOT / "params.yaml", tmp_path)
     result = run_recipe(tmp_path, "broken", "--dry-run")
     assert result.returncode == 1
-    assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be > 0 (got -1)"
+    assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be >= 2 (got -1)"
     result = run_recipe(tmp_path, "nope", "--dry-run")
     assert result.stderr.strip() == "error: presets/nope.yaml: no such preset (known: broken)"
 
@@ -117,5 +117,5 @@ def test_a_bad_preset_copies_no_input(tmp_path: Path, imdb_dir: Path) -> None:
     shutil.copy(ROOT / "params.yaml", tmp_path)
     result = run_recipe(tmp_path, "broken", "--imdb", str(imdb_dir))
     assert result.returncode == 1
-    assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be > 0 (got -1)"
+    assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be >= 2 (got -1)"
     assert not (tmp_path / "data").exists()

@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the project, whose params.yaml hol
 class Params(Section):
     """The whole of params.yaml."""
 
-    seed: int = Field(ge=0)
-    """Seed of every random generator (each output derives its own from it)."""
+    seed: int = Field(ge=0, lt=2**32)
+    """Seed of every random generator (each output derives its own from it); below 2**32, as NumPy's seeds are."""
     method: Literal[METHODS]  # type: ignore[valid-type]
     """How the evaluated policy is made from the initial one: ppo (RL against the reward scorer), dpo (DPO or IPO on
     preference pairs) or best_of_n (no training: the reward scorer's best of evaluate.best_of_n reference samples).
@@ -163,11 +163,14 @@ def _bounds(field: FieldInfo) -> str:
             low = ("(", bound.gt) if isinstance(bound, annotated_types.Gt) else ("[", bound.ge)
         elif isinstance(bound, annotated_types.Lt | annotated_types.Le):
             high = (")", bound.lt) if isinstance(bound, annotated_types.Lt) else ("]", bound.le)
+    def number(value: float) -> str:
+        return str(value) if isinstance(value, int) else f"{value:g}"
+
     if low and high:
-        return f"must be in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+        return f"must be in {low[0]}{number(low[1])}, {number(high[1])}{high[0]}"
     if low:
-        return f"must be {'>' if low[0] == '(' else '>='} {low[1]:g}"
-    return f"must be {'<' if high[0] == ')' else '<='} {high[1]:g}"
+        return f"must be {'>' if low[0] == '(' else '>='} {number(low[1])}"
+    return f"must be {'<' if high[0] == ')' else '<='} {number(high[1])}"
 
 
 TYPE_RULES = {"int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be a bool",

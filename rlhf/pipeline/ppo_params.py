@@ -18,9 +18,9 @@ class PpoParams(Section):
     """Adam learning rate of the policy (and value head)."""
     weight_decay: float = Field(ge=0)
     """Decoupled (AdamW) weight decay of every policy and value-head parameter; 0 is TRL's PPOTrainer (plain Adam)."""
-    batch_size: int = Field(gt=0)
+    batch_size: int = Field(ge=2)
     """Samples (responses) per iteration, per process: batch_size / samples_per_prompt prompts, each answered
-    samples_per_prompt times."""
+    samples_per_prompt times. At least 2: advantages are whitened over the batch's response tokens."""
     mini_batch_size: int = Field(gt=0)
     """Samples per forward/backward pass of the update."""
     gradient_accumulation_steps: int = Field(gt=0)
@@ -78,8 +78,9 @@ class PpoParams(Section):
     """Sampling: keep the k most likely tokens (0: all)."""
     top_p: float = Field(gt=0, le=1)
     """Sampling: nucleus probability mass (1: all)."""
-    temperature: float = Field(gt=0)
-    """Sampling temperature (log-probabilities are taken at the same temperature)."""
+    temperature: float = Field(ge=0.01)
+    """Sampling temperature (log-probabilities are taken at the same temperature). At least 0.01: below, sampling is
+    greedy in all but name and logits / temperature lose their float precision (top_k: 1 samples greedily)."""
     disable_dropout: bool
     """Switch dropout off in the policy and the reference."""
     value_model: Literal["shared", "separate"]

@@ -156,9 +156,10 @@ class SftParams(Schedule):
     dropout: float = Field(ge=0, lt=1)
     """Dropout of a from-scratch model (residual, embedding and attention)."""
     max_tokens: int = Field(gt=0)
-    """Training budget in tokens (steps = max_tokens // (batch_size * block_size))."""
-    block_size: int = Field(gt=0)
-    """Tokens per packed training block (reviews joined with EOS)."""
+    """Training budget in tokens (steps = max_tokens // (batch_size * block_size * gradient_accumulation_steps), at
+    least one)."""
+    block_size: int = Field(ge=2)
+    """Tokens per packed training block (reviews joined with EOS); a block of n gives n - 1 next-token targets."""
     batch_size: int = Field(gt=0)
     """Blocks per micro-batch."""
     gradient_accumulation_steps: int = Field(gt=0)
@@ -176,6 +177,10 @@ class SftParams(Schedule):
             raise Rule("n_embd", f"must be divisible by sft.n_head ({self.n_head})", self.n_embd)
         if self.base == "scratch":
             at_most(self, "block_size", "n_positions", "sft")
+        step = self.batch_size * self.block_size * self.gradient_accumulation_steps
+        if self.max_tokens < step:
+            raise Rule("max_tokens", "must be at least one optimizer step's tokens, sft.batch_size x sft.block_size "
+                                     f"x sft.gradient_accumulation_steps ({step})", self.max_tokens)
         if unknown := [split for split in self.splits if split not in SPLITS]:
             raise Rule("splits", f"unknown split {unknown[0]!r} (known: {', '.join(SPLITS)})", self.splits)
         if "test" in self.splits:

@@ -14,7 +14,7 @@ import torch
 def seed_everything(seed: int) -> torch.Generator:
     """Seed Python, NumPy and torch (all devices); return a CPU generator for the stage's own draws."""
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)  # NumPy's seeds are 32-bit; a stage's seed + its process rank may pass 2**32 - 1
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
 

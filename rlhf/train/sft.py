@@ -118,7 +118,7 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
     def loss(idx: torch.Tensor) -> torch.Tensor:
         return next_token_loss(lm, blocks[idx].to(device), params.model.precision)
 
-    plan = FitPlan("sft", max(1, s.max_tokens // tokens_per_step(s)), s.learning_rate, s.warmup_steps,
+    plan = FitPlan("sft", s.max_tokens // tokens_per_step(s), s.learning_rate, s.warmup_steps,
                    s.max_grad_norm, s.gradient_accumulation_steps, betas=(0.9, 0.95),
                    checkpoint_every=s.checkpoint_every, fingerprint=run_fingerprint(params) if s.checkpoint_every
                    else None)
