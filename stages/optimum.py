@@ -28,6 +28,7 @@ from rlhf.models.precision import pick_device
 from rlhf.models.rollout import SamplingParams, response_lengths
 from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer
 from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_parquet, write_text
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import EVAL_PROMPTS
@@ -48,6 +49,9 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     start = time.perf_counter()
     cfg, n = params.ppo, params.optimum.samples_per_prompt
     prompts = read_prompts(EVAL_PROMPTS)
+    if params.optimum.prompts is not None and params.optimum.prompts > len(prompts):  # not capped without a word
+        raise DataError(f"optimum.prompts: {params.optimum.prompts} prompts asked, but {EVAL_PROMPTS} holds "
+                        f"{len(prompts)}")
     device = pick_device()
     seed_everything(params.seed)
     # every scorer and the reference load (or fail naming their key) before any sampling
@@ -61,7 +65,7 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     # evaluate's lengths: drawn for every eval prompt from the seed, so the first P are evaluation's own
     lengths = response_lengths(len(prompts), cfg.response_min_tokens, cfg.response_max_tokens,
                                torch.Generator().manual_seed(params.seed))
-    P = len(prompts) if params.optimum.prompts is None else min(params.optimum.prompts, len(prompts))
+    P = len(prompts) if params.optimum.prompts is None else params.optimum.prompts
     query_ids, queries = prompts.take(range(P))
     pool = optimum.draw_pool(reference, tokenizer, query_ids, lengths[:P], n,
                              SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature), params.evaluate.batch_size,

@@ -21,6 +21,7 @@ from rlhf.data.imdb import filter_reviews, load_imdb, warn_if_untracked
 from rlhf.data.prepare import build_pairs, build_prompts, generator, read_pairs_file, tokenize
 from rlhf.models.loading import load_tokenizer
 from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, atomic_path, write_json
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import PAIRS_DIR, PREPARE_METRICS, PROMPTS_DIR
@@ -53,12 +54,16 @@ def prepare(params: Params, outputs: StagedOutputs) -> None:
 
     splits = load_imdb(source, params.data.revision, ["train", "test"])
     reviews = {name: filter_reviews(frame, p.min_review_chars, f"{source} [{name}]") for name, frame in splits.items()}
+    for key, split, n in (("train_prompts", "train", p.train_prompts), ("eval_prompts", "test", p.eval_prompts)):
+        if n is not None and n > len(reviews[split]):  # the params would name prompts the outputs do not have
+            raise DataError(f"prepare.{key}: {n} prompts asked, but only {len(reviews[split])} {split} reviews of "
+                            f"{source} pass prepare.min_review_chars")
     max_tokens = max(p.prompt_max_tokens, p.pair_max_tokens if from_imdb else 0)
     ids = {name: tokenize(frame["text"].tolist(), tokenizer, max_tokens) for name, frame in reviews.items()}
 
     prompts = {
         out: build_prompts(reviews[split], ids[split], tokenizer, n, p.prompt_min_tokens, p.prompt_max_tokens,
-                           generator(params.seed, f"prompts/{out}"), f"{source} [{split}]")
+                           generator(params.seed, f"prompts/{out}"))
         for out, split, n in (("train", "train", p.train_prompts), ("eval", "test", p.eval_prompts))
     }
     if from_imdb:

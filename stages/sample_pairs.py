@@ -50,11 +50,11 @@ def main() -> None:
 
 def split(prompts: Prompts, limit: int | None) -> tuple[list[int], list[int]]:
     """(train, test) prompt indices: the first ``limit`` prompts (all when None), the last tenth of them for test."""
-    n = len(prompts) if limit is None else min(limit, len(prompts))
+    if limit is not None and limit > len(prompts):  # the params would name prompts the pairs do not come from
+        raise DataError(f"dpo.sample_prompts: {limit} prompts asked, but {TRAIN_PROMPTS} holds {len(prompts)}")
+    n = len(prompts) if limit is None else limit
     if n < 2:
         raise DataError(f"{TRAIN_PROMPTS}: {len(prompts)} prompts; sampled pairs need 2 or more (one for test pairs)")
-    if limit is not None and limit > len(prompts):
-        log.warning("sample_pairs: dpo.sample_prompts=%d, only %d train prompts: using all", limit, len(prompts))
     test = max(1, n // TEST_SHARE)
     return list(range(n - test)), list(range(n - test, n))
 

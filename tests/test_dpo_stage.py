@@ -17,6 +17,7 @@ from conftest import ROOT, dvc, set_params
 from helpers import ran_stages, signal_pairs
 from transformers import AutoModelForCausalLM
 
+from rlhf.data.prompts import Prompts
 from rlhf.models.loading import initial_tokenizer
 from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.errors import DataError
@@ -34,6 +35,7 @@ from rlhf.pipeline.paths import (
 from rlhf.train import dpo as dpo_library
 from stages import dpo as dpo_stage
 from stages import ref_logprobs as ref_stage
+from stages import sample_pairs as sample_pairs_stage
 from stages.dpo import DPO_CURVES, DPO_DIR, DPO_METRICS
 
 TINY_DPO = {"dpo.batch_size": 8, "dpo.learning_rate": 1e-2, "dpo.max_length": 24, "dpo.warmup_steps": 2,
@@ -142,6 +144,16 @@ def test_the_reference_log_probs_are_the_references_row_for_row_and_read_only_fo
     with pytest.raises(DataError, match=r"^data/ref_logprobs: holds no reference log-probs \(run the ref_logprobs "):
         dpo_stage.main()
     assert not DPO_DIR.exists() and not DPO_METRICS.exists()
+
+
+def test_more_prompts_to_sample_than_there_are_is_refused() -> None:
+    """dpo.sample_prompts beyond the prompts file was capped with a log line: the params would name prompts the
+    pairs do not come from."""
+    prompts = Prompts([[1, 2]] * 5, ["a"] * 5)
+    with pytest.raises(DataError, match=r"^dpo.sample_prompts: 100 prompts asked, but data/prompts/train.parquet "
+                                        r"holds 5$"):
+        sample_pairs_stage.split(prompts, 100)
+    assert sample_pairs_stage.split(prompts, 5) == ([0, 1, 2, 3], [4])
 
 
 def test_another_method_writes_only_the_marker(dpo_dir: Path) -> None:

@@ -73,6 +73,17 @@ def test_prompts_from_another_tokenizer_are_refused(ppo_project: Path) -> None:
     assert not (ppo_project / "models/policy").exists() and not (ppo_project / "data/rollouts").exists()
 
 
+def test_an_unreadable_prompts_file_is_named(ppo_project: Path) -> None:
+    """A truncated prompts file (a copy cut short) gave pyarrow's traceback."""
+    path = ppo_project / "data/prompts/train.parquet"
+    path.write_bytes(path.read_bytes()[:100])
+    result = run(ppo_project)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: data/prompts/train.parquet: unreadable (Could not open Parquet input source")
+    assert result.stderr.strip().splitlines()[-1].endswith("): rerun the prepare stage")
+
+
 def test_prompts_longer_than_the_context_are_refused(ppo_project: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
     short = build_tiny_gpt2(tmp_path / "short", tokenizer_dir, n_positions=16)
     set_params(ppo_project, **{"model.policy": str(short)})  # 8 prompt + 6 response tokens fit by params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -92,6 +93,17 @@ def test_bad_data_writes_nothing(project: Path, imdb_dir: Path, tokenizer_dir: P
         f"error: {imdb_dir} [train]: no review is longer than prepare.min_review_chars=100000 characters")
     assert {name: (project / name).read_bytes() for name in OUTPUTS} == before
     assert not list((project / "data").rglob("*.tmp")) and not list((project / "metrics").rglob("*.tmp"))
+
+    # more prompts than reviews pass the filter: refused before any tokenizing, not capped with a log line (the params
+    # would name prompts the outputs do not have)
+    for key, split in (("eval_prompts", "test"), ("train_prompts", "train")):
+        configure(project, imdb_dir, tokenizer_dir, tiny_gpt2_dir, **{f"prepare.{key}": 100_000,
+                                                                   "prepare.min_review_chars": 200})
+        assert re.fullmatch(rf"error: prepare.{key}: 100000 prompts asked, but only \d+ {split} reviews of "
+                            rf"{re.escape(str(imdb_dir))} pass prepare.min_review_chars",
+                            run_in_process(project, monkeypatch, capsys))
+        assert {name: (project / name).read_bytes() for name in OUTPUTS} == before
+    set_params(project, **{"prepare.train_prompts": None})
 
     # the same params and seed give the same bytes
     configure(project, imdb_dir, tokenizer_dir, tiny_gpt2_dir, **{"prepare.min_review_chars": 200})

@@ -328,6 +328,13 @@ def test_pairs_files_and_splits_are_named_before_any_review_is_read(tmp_path: Pa
             StagedOutputs(wiring("prepare", ROOT / "dvc.yaml").outputs) as outputs:
         prepare.prepare(load_params(), outputs)  # the data source is missing too: the pairs file is read first
 
+    # a pair that prefers a text to itself: the reward model trained to accuracy 0.000 without a word
+    pd.DataFrame({"chosen": ["good"] * 50, "rejected": ["bad"] * 49 + ["good"]}).to_parquet("pairs.parquet")
+    with pytest.raises(PipelineError, match=r"^pairs.parquet: row 49: chosen equals rejected \(1 of 50 pairs\): a "
+                                            r"pair must hold two different texts$"), \
+            StagedOutputs(wiring("prepare", ROOT / "dvc.yaml").outputs) as outputs:
+        prepare.prepare(load_params(), outputs)
+
     pd.DataFrame({"chosen": ["good"] * 50, "rejected": ["bad"] * 50}).to_parquet("pairs.parquet")
     set_params(tmp_path, **{"data.source": str(imdb_dir), "prepare.train_prompts": 8, "prepare.eval_prompts": 8})
     with caplog.at_level(logging.INFO), StagedOutputs(wiring("prepare", ROOT / "dvc.yaml").outputs) as outputs:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,8 +15,6 @@ from transformers import PreTrainedTokenizerBase
 from rlhf.data.imdb import ratings, shown
 from rlhf.data.pairs import read_pairs
 from rlhf.pipeline.errors import DataError
-
-log = logging.getLogger(__name__)
 
 PROMPT_SCHEMA = pa.schema([
     ("query", pa.string()), ("input_ids", pa.list_(pa.int32())), ("review_id", pa.string()), ("label", pa.int64()),
@@ -83,10 +80,9 @@ def cut(ids: list[list[int]], rows: np.ndarray, min_tokens: int, max_tokens: int
 
 
 def build_prompts(reviews: pd.DataFrame, ids: list[list[int]], tokenizer: PreTrainedTokenizerBase, n: int | None,
-                  min_tokens: int, max_tokens: int, rng: np.random.Generator, where: str) -> pa.Table:
-    """``n`` prompts (all when None) from the reviews, in file order: query text, its token ids, the review."""
-    if n is not None and n > len(reviews):
-        log.warning("%s: %d prompts asked, only %d reviews pass the filter: using all of them", where, n, len(reviews))
+                  min_tokens: int, max_tokens: int, rng: np.random.Generator) -> pa.Table:
+    """``n`` prompts (all when None; at most as many as reviews) from the reviews, in file order: query text, its
+    token ids, the review."""
     rows = np.arange(len(reviews)) if n is None or n >= len(reviews) else np.sort(
         rng.choice(len(reviews), size=n, replace=False))
     prefixes = cut(ids, rows, min_tokens, max_tokens, rng)
@@ -164,6 +160,10 @@ def read_pairs_file(path: Path, rng: np.random.Generator) -> dict[str, pa.Table]
         frame[f"{side}_id"] = frame[f"{side}_id"].astype(str)
         frame[f"{side}_rating"] = (ratings(frame[f"{side}_rating"], str(path), f"{side}_rating")
                                    if f"{side}_rating" in frame else 0)
+    same = (frame["chosen"] == frame["rejected"]).to_numpy()
+    if same.any():  # a pair that prefers a text to itself teaches nothing, and scores as a wrong answer
+        raise DataError(f"{path}: row {int(same.argmax())}: chosen equals rejected ({int(same.sum())} of {len(frame)} "
+                        "pairs): a pair must hold two different texts")
     if "split" in frame:
         bad = ~frame["split"].isin(["train", "test"])
         if bad.any():

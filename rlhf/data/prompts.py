@@ -29,7 +29,10 @@ class Prompts:
 def read_prompts(path: Path) -> Prompts:
     if not path.exists():
         raise DataError(f"{path}: missing (run the prepare stage first)")
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises many types for a truncated or foreign file
+        raise DataError(f"{path}: unreadable ({str(e).splitlines()[0]}): rerun the prepare stage") from None
     for column in ("query", "input_ids"):
         if column not in table.column_names:
             raise DataError(f"{path}: missing column {column!r} (columns: {', '.join(table.column_names)})")
