@@ -69,9 +69,10 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
     seed_everything(params.seed)
 
     # every scorer and model loads (or fails naming its key) before any sampling
-    scorers = {REWARD: make_reward_scorer(params, device)}
+    longest = prompts.longest + params.ppo.response_max_tokens  # what each scorer reads at most
+    scorers = {REWARD: make_reward_scorer(params, device, longest)}
     for i, (name, spec) in enumerate(zip(names, params.evaluate.judges, strict=True)):
-        scorers[name] = make_scorer(spec, params, device, what=f"evaluate.judges[{i}]")
+        scorers[name] = make_scorer(spec, params, device, f"evaluate.judges[{i}]", longest)
     reference, tokenizer, what = load_initial_policy(params)
     reference.to(device).eval()
     policy = load_policy(params, tokenizer)

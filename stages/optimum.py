@@ -55,9 +55,10 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     device = pick_device()
     seed_everything(params.seed)
     # every scorer and the reference load (or fail naming their key) before any sampling
-    scorers = {REWARD: make_reward_scorer(params, device)}
+    longest = prompts.longest + cfg.response_max_tokens  # what each scorer reads at most
+    scorers = {REWARD: make_reward_scorer(params, device, longest)}
     for i, (name, spec) in enumerate(zip(params.evaluate.judge_names, params.evaluate.judges, strict=True)):
-        scorers[name] = make_scorer(spec, params, device, what=f"evaluate.judges[{i}]")
+        scorers[name] = make_scorer(spec, params, device, f"evaluate.judges[{i}]", longest)
     reference, tokenizer, what = load_initial_policy(params)
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, cfg.response_max_tokens, f"the reference ({what})")
     reference.to(device).eval()

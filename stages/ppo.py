@@ -97,7 +97,8 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
     process but the main one)."""
     cfg = params.ppo
     device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
-    scorer = make_reward_scorer(params, device)  # first: a model that cannot score is refused from its config
+    # first: a model that cannot score (or not the longest prompt + response) is refused from its config
+    scorer = make_reward_scorer(params, device, prompts.longest + cfg.response_max_tokens)
     seed_everything(params.seed + rank)
     policy, ref, tokenizer = load_models(params, device)
     if is_main:

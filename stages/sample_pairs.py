@@ -64,7 +64,7 @@ def write_pairs(params: Params, outputs: StagedOutputs) -> None:
     indices = split(prompts, params.dpo.sample_prompts)
     seed_everything(params.seed)
     device = pick_device()
-    scorer = make_reward_scorer(params, device)
+    scorer = make_reward_scorer(params, device, prompts.longest + params.ppo.response_max_tokens)
     lm, tokenizer, _ = load_initial_policy(params)
     cfg = params.ppo
     check_prompts(TRAIN_PROMPTS, prompts, tokenizer, lm, cfg.response_max_tokens, "the initial policy")

@@ -52,8 +52,8 @@ def test_a_many_label_classifier_needs_the_positive_label(tmp_path: Path, tokeni
     from conftest import build_tiny_classifier
 
     three = build_tiny_classifier(tmp_path / "three", tokenizer_dir, num_labels=3)
-    with pytest.raises(ModelError, match=r"^reward.model: 3 outputs and none labelled reward.positive_label="
-                                         r"'POSITIVE' \(labels: LABEL_0, LABEL_1, LABEL_2\)"):
+    with pytest.raises(ModelError, match=r"^reward.model: 3 outputs labelled LABEL_0, LABEL_1, LABEL_2, none of them "
+                                         r"reward.positive_label='POSITIVE'"):
         ClassifierScorer(str(three), defaults().model)
 
 

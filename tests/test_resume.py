@@ -183,7 +183,7 @@ class LengthScorer:
 
 def score_with(monkeypatch: pytest.MonkeyPatch, scorer: LengthScorer) -> None:
     """The ppo stage scores with ``scorer`` instead of the reward model."""
-    monkeypatch.setattr(ppo_stage, "make_reward_scorer", lambda params, device: scorer)
+    monkeypatch.setattr(ppo_stage, "make_reward_scorer", lambda params, device, max_tokens: scorer)
 
 
 @pytest.mark.slow

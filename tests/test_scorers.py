@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import build_tiny_classifier
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf.models.scorers import ClassifierScorer, VaderScorer, judge_name, make_reward_scorer
@@ -65,3 +67,49 @@ def test_trained_reward_model_must_exist(tmp_path: Path, monkeypatch: pytest.Mon
     params = defaults().model_copy(update={"reward": defaults().reward.model_copy(update={"train": True})})
     with pytest.raises(ModelError, match=r"^reward.train is true but models/reward holds no trained model"):
         make_reward_scorer(params, "cpu")
+
+
+def relabelled(tmp_path: Path, tokenizer_dir: Path, labels: dict[int, str]) -> Path:
+    folder = build_tiny_classifier(tmp_path / "relabelled", tokenizer_dir)
+    config = AutoModelForSequenceClassification.from_pretrained(folder).config
+    config.id2label, config.label2id = labels, {name: i for i, name in labels.items()}
+    config.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(("labels", "positive"), [
+    ({0: "neg", 1: "pos"}, "POSITIVE"),
+    ({0: "NEGATIVE", 1: "POSITIVE"}, "POSITVE"),
+], ids=["pos-neg", "typo"])
+def test_named_labels_without_the_positive_one_are_refused(labels: dict[int, str], positive: str, tmp_path: Path,
+                                                           tokenizer_dir: Path) -> None:
+    """Reading index 1 of a model whose labels are named otherwise trained PPO towards whatever index 1 means (the
+    negative label, for a neg/pos model read the other way round): refused from the config, naming its labels."""
+    folder = relabelled(tmp_path, tokenizer_dir, labels)
+    names = ", ".join(labels.values())
+    with pytest.raises(ModelError, match=rf"^reward.model: 2 outputs labelled {names}, none of them "
+                                         rf"reward.positive_label='{positive}': set it to the positive label"):
+        ClassifierScorer(str(folder), defaults().model, positive)
+
+
+def test_unnamed_labels_read_index_one(tmp_path: Path, tokenizer_dir: Path) -> None:
+    folder = relabelled(tmp_path, tokenizer_dir, {0: "LABEL_0", 1: "LABEL_1"})
+    scorer = ClassifierScorer(str(folder), defaults().model)
+    assert torch.allclose(scorer(QUERIES, RESPONSES), reference_logits(folder)[:, 1], atol=1e-5)
+
+
+def test_a_classifier_with_too_few_positions_is_refused_from_its_config(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Scored texts past its positions raised IndexError after all the sampling: refused before its weights load,
+    and texts beyond its positions are cut to them, not to the tokenizer's longer limit."""
+    short = build_tiny_classifier(tmp_path / "short", tokenizer_dir)
+    config = AutoModelForSequenceClassification.from_pretrained(short).config
+    config.n_positions = 8
+    config.save_pretrained(short)
+    tensors = load_file(short / "model.safetensors")
+    tensors = {key: value[:8].clone() if key.endswith("wpe.weight") else value for key, value in tensors.items()}
+    save_file(tensors, short / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=rf"^judge: {re.escape(str(short))} reads 8 positions, fewer than the longest "
+                                         r"prompt \+ ppo.response_max_tokens \(20 tokens\)"):
+        ClassifierScorer(str(short), defaults().model, what="judge", max_tokens=20)
+    scores = ClassifierScorer(str(short), defaults().model)(["a long prompt " * 10], [" and its response"])
+    assert torch.isfinite(scores).all()

@@ -7,6 +7,7 @@ Stage processes are few and share one tiny ppo project (module scope); each test
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -271,21 +272,31 @@ def test_a_model_that_cannot_score_is_refused_from_its_config(ppo_dir: Path, tin
     logging.getLogger("transformers").setLevel(logging.INFO)
     for path, what, message in (
             (tiny_gpt2_dir, "evaluate.judges[0]", "a GPT2LMHeadModel, not a sequence classifier"),
-            (three, "reward.model", "3 outputs and none labelled reward.positive_label='POSITIVE'")):
+            (three, "reward.model", "3 outputs labelled LABEL_0, LABEL_1, LABEL_2, none of them "
+                                    "reward.positive_label='POSITIVE'")):
         with pytest.raises(ModelError, match=message):
             ClassifierScorer(str(path), defaults().model, what=what)
     captured = capfd.readouterr()
     assert "newly initialized" not in captured.err + captured.out, "weights were loaded before the check"
 
-    # in the stage, before the policy loads: nothing but the one line
-    set_params(ppo_dir, **{"reward.model": str(tiny_gpt2_dir)})
+    # in the stage, before the policy loads: nothing but the one line (a causal LM; a classifier whose labels are
+    # pos/neg, which read at index 1 by default trained towards whatever that label was)
+    posneg = build_tiny_classifier(tmp_path / "posneg", tokenizer_dir)
+    config = json.loads((posneg / "config.json").read_text())
+    config |= {"id2label": {"0": "pos", "1": "neg"}, "label2id": {"pos": 0, "neg": 1}}
+    (posneg / "config.json").write_text(json.dumps(config))
+    results = []
     try:
-        result = run(ppo_dir)
+        for model in (tiny_gpt2_dir, posneg):
+            set_params(ppo_dir, **{"reward.model": str(model)})
+            results.append(run(ppo_dir))
     finally:
         set_params(ppo_dir, **{"reward.model": str(build_tiny_classifier(tmp_path / "clf", tokenizer_dir))})
-    assert result.returncode == 1
-    assert error_lines(result) == [f"error: reward.model: {tiny_gpt2_dir}: a GPT2LMHeadModel, not a sequence "
-                                   "classifier (its score head would be random)"]
+    assert [(result.returncode, error_lines(result)) for result in results] == [
+        (1, [f"error: reward.model: {tiny_gpt2_dir}: a GPT2LMHeadModel, not a sequence classifier (its score head "
+             "would be random)"]),
+        (1, ["error: reward.model: 2 outputs labelled pos, neg, none of them reward.positive_label='POSITIVE': set it "
+             "to the positive label (a reward is one output or a named label)"])]
 
 
 def test_an_empty_tokenizer_folder_is_named_whole_and_never_ignored(tmp_path: Path, tokenizer_dir: Path,

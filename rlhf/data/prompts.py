@@ -21,6 +21,11 @@ class Prompts:
     def __len__(self) -> int:
         return len(self.queries)
 
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest prompt."""
+        return max(map(len, self.input_ids))
+
     def take(self, indices: Sequence[int]) -> tuple[list[list[int]], list[str]]:
         """(token ids, texts) of the prompts at ``indices``, in that order."""
         return [self.input_ids[i] for i in indices], [self.queries[i] for i in indices]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 import torch
 from transformers import PretrainedConfig
 
-from rlhf.models.loading import load_config, load_sequence_classifier, load_tokenizer
+from rlhf.models.loading import context_size, load_config, load_sequence_classifier, load_tokenizer
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import REWARD_DIR
@@ -39,9 +40,10 @@ class ClassifierScorer:
     """
 
     def __init__(self, name_or_dir: str, model_params: ModelParams, positive_label: str = "POSITIVE",
-                 device: torch.device | str = "cpu", batch_size: int = 64, what: str = "reward.model") -> None:
+                 device: torch.device | str = "cpu", batch_size: int = 64, what: str = "reward.model",
+                 max_tokens: int | None = None) -> None:
         self.name = judge_name(name_or_dir)
-        self.index = check_scorer_config(name_or_dir, model_params, positive_label, what)
+        self.index = check_scorer_config(name_or_dir, model_params, positive_label, what, max_tokens)
         self.model = load_sequence_classifier(name_or_dir, model_params, what=what).to(device).eval()
         # the classifier's own padding side: BERT-style models read position 0, GPT-style the last real token
         self.tokenizer = load_tokenizer(name_or_dir, model_params, what=what, padding_side=None)
@@ -54,18 +56,24 @@ class ClassifierScorer:
         texts = [q + r for q, r in zip(queries, responses, strict=True)]
         scores = []
         for i in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[i: i + self.batch_size], padding=True, truncation=True,
-                                   max_length=min(self.tokenizer.model_max_length, 512), return_tensors="pt")
+            batch = self.tokenizer(texts[i: i + self.batch_size], padding=True, truncation=True, return_tensors="pt",
+                                   max_length=min(self.tokenizer.model_max_length, context_size(self.model), 512))
             logits = self.model(**batch.to(self.device)).logits
             scores.append(logits[:, self.index].float().cpu())
         return torch.cat(scores)
 
 
-def check_scorer_config(name: str, model_params: ModelParams, positive_label: str, what: str) -> int:
+def check_scorer_config(name: str, model_params: ModelParams, positive_label: str, what: str,
+                        max_tokens: int | None = None) -> int:
     """The output a classifier's score is read from, found from its config alone: a model that cannot be a scorer
-    is refused before its weights (or any other model's) load."""
+    is refused before its weights (or any other model's) load, as is one whose positions cannot hold ``max_tokens``
+    (the longest prompt plus response it will score)."""
     config = load_config(name, model_params, what)
     check_is_classifier(config, name, what)
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if max_tokens is not None and positions is not None and positions < max_tokens:
+        raise ModelError(f"{what}: {name} reads {positions} positions, fewer than the longest prompt + "
+                         f"ppo.response_max_tokens ({max_tokens} tokens): it would score cut texts")
     return positive_index(config, positive_label, what)
 
 
@@ -78,16 +86,20 @@ def check_is_classifier(config: PretrainedConfig, name: str, what: str) -> None:
 
 
 def positive_index(config: object, positive_label: str, what: str) -> int:
-    """One output: that scalar. Several: the output labelled ``positive_label`` (two unnamed labels: index 1)."""
+    """One output: that scalar. Several: the output labelled ``positive_label``; two whose labels are unnamed
+    (transformers' LABEL_0, LABEL_1): index 1. Named labels without it are refused: reading the other one would train
+    towards the opposite sentiment."""
     if config.num_labels == 1:
         return 0
-    labels = {v.upper(): k for k, v in (config.id2label or {}).items()}
+    names = [str(name) for name in (config.id2label or {}).values()]
+    labels = {name.upper(): k for k, name in (config.id2label or {}).items()}
     if positive_label.upper() in labels:
-        return labels[positive_label.upper()]
-    if config.num_labels == 2:
+        return int(labels[positive_label.upper()])
+    if config.num_labels == 2 and all(re.fullmatch(r"LABEL_\d+", name) for name in names):
         return 1
-    raise ModelError(f"{what}: {config.num_labels} outputs and none labelled reward.positive_label="
-                     f"{positive_label!r} (labels: {', '.join(labels)}); a reward is one output or a named label")
+    raise ModelError(f"{what}: {config.num_labels} outputs labelled {', '.join(names)}, none of them "
+                     f"reward.positive_label={positive_label!r}: set it to the positive label (a reward is one output "
+                     "or a named label)")
 
 
 class VaderScorer:
@@ -105,11 +117,13 @@ class VaderScorer:
                              for q, r in zip(queries, responses, strict=True)], dtype=torch.float32)
 
 
-def make_scorer(spec: str, params: Params, device: torch.device | str, what: str) -> Scorer:
-    """'vader' or a classifier (Hub id or local dir)."""
+def make_scorer(spec: str, params: Params, device: torch.device | str, what: str,
+                max_tokens: int | None = None) -> Scorer:
+    """'vader' or a classifier (Hub id or local dir) that must hold ``max_tokens`` (prompt + response) positions."""
     if spec == "vader":
         return VaderScorer()
-    return ClassifierScorer(spec, params.model, params.reward.positive_label, device, what=what)
+    return ClassifierScorer(spec, params.model, params.reward.positive_label, device, what=what,
+                            max_tokens=max_tokens)
 
 
 def reward_model_path(params: Params) -> tuple[str, str]:
@@ -121,6 +135,6 @@ def reward_model_path(params: Params) -> tuple[str, str]:
     return params.reward.model, "reward.model"
 
 
-def make_reward_scorer(params: Params, device: torch.device | str) -> Scorer:
+def make_reward_scorer(params: Params, device: torch.device | str, max_tokens: int | None = None) -> Scorer:
     path, what = reward_model_path(params)
-    return make_scorer(path, params, device, what)
+    return make_scorer(path, params, device, what, max_tokens)

@@ -196,7 +196,8 @@ class RewardParams(Schedule):
     model: PathOrId
     """Sentiment classifier whose positive logit is the reward when reward.train is false (Hub id or local dir)."""
     positive_label: str
-    """Label name of the positive class in reward.model's config (falls back to index 1 when absent)."""
+    """Label name of the positive class in reward.model's (and the judges') config; a two-label model whose labels are
+    unnamed (LABEL_0, LABEL_1) reads index 1."""
     epochs: int = Field(gt=0)
     """Shuffled passes over the training pairs."""
     batch_size: int = Field(gt=0)
