@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import dvc, set_params
 
+from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.params import load_params, read_yaml
-from tools.presets import as_override, flatten, overlay
+from tools.presets import as_override, flatten, load_preset, local_inputs, overlay, untracked_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "presets").glob("*.yaml"))
@@ -119,3 +120,41 @@ def test_a_bad_preset_copies_no_input(tmp_path: Path, imdb_dir: Path) -> None:
     assert result.returncode == 1
     assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be >= 2 (got -1)"
     assert not (tmp_path / "data").exists()
+
+
+def test_a_local_input_given_is_copied_or_refused_never_ignored(tmp_path: Path, imdb_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """--imdb X when data/raw/imdb already exists was ignored (the run read the old copy); a file given where a
+    folder is expected was a traceback from inside the copy."""
+    monkeypatch.chdir(tmp_path)
+    changes, target = {"data": {"source": "data/raw/imdb"}}, "data/raw/imdb"
+    assert local_inputs(changes, {"imdb": imdb_dir, "tokenizer": None}) == {target: imdb_dir}
+    shutil.copytree(imdb_dir, target)
+    assert local_inputs(changes, {"imdb": imdb_dir, "tokenizer": None}) == {}  # the same files: nothing to do
+    other = shutil.copytree(imdb_dir, tmp_path / "other")
+    (other / "test.parquet").write_bytes((other / "train.parquet").read_bytes())
+    with pytest.raises(ParamsError, match=rf"^--imdb: data/raw/imdb already exists and differs from {other}: remove "
+                                          rf"it to copy {other} there, or leave --imdb out to use it$"):
+        local_inputs(changes, {"imdb": other, "tokenizer": None})
+    with pytest.raises(ParamsError, match=rf"^--imdb: {other}/train.parquet is a file, not a folder"):
+        local_inputs(changes, {"imdb": other / "train.parquet", "tokenizer": None})
+
+
+def test_a_preset_is_a_name_from_presets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``../params`` read params.yaml itself as a preset."""
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ParamsError, match=r"^presets/\.\./params\.yaml: no such preset \(known: offline-cpu"):
+        load_preset("../params")
+
+
+def test_a_queued_point_carries_every_local_input_git_does_not_hold(project: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queued experiment runs in a copy of the commit: a local model under data/raw/ (as the docs advise) must go
+    with it, not only the presets' two inputs; Hub ids, absolute paths and the stages' own outputs need no carrying."""
+    monkeypatch.chdir(project)
+    Path("data/raw/policy").mkdir(parents=True)
+    Path("data/raw/policy/config.json").write_text("{}")
+    Path("models/sft").mkdir(parents=True)
+    values = ["data/raw/policy", "data/raw/imdb", "models/sft", "stanfordnlp/imdb", str(project / "data/raw/policy"),
+              "dvc.yaml", 3]
+    assert untracked_inputs(values, ["data/raw/imdb"]) == ["data/raw/imdb", "data/raw/policy"]

@@ -31,7 +31,6 @@ from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ParamsError, PipelineError
 from rlhf.pipeline.params import parse_params
 from tools.presets import (
-    LOCAL_INPUTS,
     add_input_flags,
     as_override,
     copy_inputs,
@@ -41,6 +40,7 @@ from tools.presets import (
     overlay,
     parse_sets,
     run_dvc,
+    untracked_inputs,
 )
 
 NO_PRESET = "params"  # the name of a sweep over params.yaml as committed
@@ -159,7 +159,7 @@ def sweep(points: list[Point], changes: dict[str, Any], not_copied: dict[str, Pa
             continue
         keys = overrides(changes | point.knob, workspace, desired[point.name])
         # a queued point runs in a copy of the commit: the local inputs it reads, ignored by git, go with it
-        queue = sorted({v for v in flatten(desired[point.name]).values() if v in LOCAL_INPUTS.values()})
+        queue = untracked_inputs(flatten(desired[point.name]).values(), not_copied)
         run_point(i, len(points), point, keys, replace=found is not None, dry_run=dry_run,
                   queue=queue if jobs > 1 else None)
         if jobs > 1:

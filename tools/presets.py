@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import filecmp
 import re
 import shutil
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +72,9 @@ def as_override(value: None | bool | int | float | str | list) -> str:
 
 
 def load_preset(name: str) -> dict[str, Any]:
+    """presets/<name>.yaml; ``name`` is a plain name (``../params`` would read params.yaml as a preset)."""
     path = PRESETS / f"{name}.yaml"
-    if not path.exists():
+    if Path(name).name != name or name.startswith(".") or not path.exists():
         known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
         raise ParamsError(f"{path}: no such preset (known: {known})")
     return read_yaml(path) or {}
@@ -90,19 +93,50 @@ def parse_sets(pairs: list[str], flag: str) -> dict[str, Any]:
 
 def local_inputs(changes: dict[str, Any], sources: dict[str, Path | None]) -> dict[str, Path]:
     """{target: source} of the local IMDb / tokenizer copies the preset needs under data/raw/ (a DVC dependency) and
-    that are missing there; a source not given or missing is an error."""
+    that are missing there. A source not given for a missing target, a source that is no folder, or one that differs
+    from a target already there (it would be ignored) is an error."""
     wanted = [value for value in flatten(changes).values() if isinstance(value, str)]
     copies = {}
     for kind, target in LOCAL_INPUTS.items():
-        if target not in wanted or Path(target).exists():
+        source = sources[kind]
+        if source is not None and not source.is_dir():
+            what = "does not exist" if not source.exists() else "is a file, not a folder"
+            raise ParamsError(f"--{kind}: {source} {what} (the preset needs a folder to copy to {target})")
+        if target not in wanted:
             continue
-        if sources[kind] is None:
+        if Path(target).exists():
+            if source is not None and not same_files(source, Path(target)):
+                raise ParamsError(f"--{kind}: {target} already exists and differs from {source}: remove it to copy "
+                                  f"{source} there, or leave --{kind} out to use it")
+            continue
+        if source is None:
             raise ParamsError(f"--{kind}: the preset reads {target}, which is missing: pass --{kind} FOLDER to copy "
                               "it there")
-        if not sources[kind].exists():
-            raise ParamsError(f"--{kind}: {sources[kind]} does not exist (the preset needs a copy at {target})")
-        copies[target] = sources[kind]
+        copies[target] = source
     return copies
+
+
+def same_files(a: Path, b: Path) -> bool:
+    """Whether folders ``a`` and ``b`` hold the same files, byte for byte."""
+    files = {path.relative_to(a) for path in a.rglob("*") if path.is_file()}
+    if files != {path.relative_to(b) for path in b.rglob("*") if path.is_file()}:
+        return False
+    return all(filecmp.cmp(a / file, b / file, shallow=False) for file in files)
+
+
+def untracked_inputs(values: Iterable[Any], to_copy: Iterable[str]) -> list[str]:
+    """The params values that name a local input inside the project that git does not hold (data/raw/..., as the
+    docs advise), there or about to be copied (``to_copy``): a queued experiment runs in a copy of the commit, so
+    ``dvc exp run --queue -C`` must carry them. The stages' own outputs are not inputs: DVC makes them there."""
+    from rlhf.pipeline.wiring import stages, wiring
+
+    outputs = [output for name in stages() for output in wiring(name).outputs]
+    found = sorted({value for value in values if isinstance(value, str) and not Path(value).is_absolute()
+                    and (Path(value).exists() or value in set(to_copy))
+                    and not any(Path(value) == out or out in Path(value).parents for out in outputs)})
+    tracked = subprocess.run(["git", "ls-files", "--", *found], capture_output=True, text=True).stdout.split()
+    return [value for value in found
+            if not any(Path(file) == Path(value) or Path(value) in Path(file).parents for file in tracked)]
 
 
 def copy_inputs(copies: dict[str, Path], dry_run: bool) -> None:
