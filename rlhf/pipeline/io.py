@@ -167,19 +167,18 @@ def replaced_path(output: Path) -> Path:
 
 def discard(path: Path) -> None:
     """Delete ``path`` so that it is gone at once, whatever stops the deletion: renamed to a hidden
-    ``.<name>.removed`` sibling first (one rename), then deleted; ``clear_discarded`` removes what a kill left."""
+    ``.<name>.removed`` sibling first (one rename), then deleted (what a kill leaves there, the next run removes)."""
     if not os.path.lexists(path):
         return
-    aside = path.parent / f".{path.name}{REMOVED}"
+    aside = discarded(path)
     remove(aside)
     os.replace(path, aside)
     remove(aside)
 
 
-def clear_discarded(folder: Path) -> None:
-    """Finish the deletions (``discard``) a killed run left in ``folder``."""
-    for path in folder.glob(f".*{REMOVED}") if folder.is_dir() else []:
-        remove(path)
+def discarded(path: Path) -> Path:
+    """Where ``discard`` puts ``path`` while deleting it."""
+    return path.parent / f".{path.name}{REMOVED}"
 
 
 class StagedOutputs:
@@ -188,14 +187,12 @@ class StagedOutputs:
     Entering checks that every output's folder (and the lock's) is writable, takes ``stage``'s lock (when given),
     finishes what a killed run left half done (``recover``) and checks that every previous output can be moved
     aside. ``outputs[path]`` is where to write ``path`` (an output or a file inside one). Leaving the block normally
-    checks that params.yaml still holds the values the stage read (``params.changed_since_read``: a second ``dvc exp
-    run`` in the workspace rewrites it), then replaces every output by its staged version (each must have been
-    written), then deletes ``stage``'s checkpoints (data/checkpoints/<stage>): a run is finished only once its outputs
-    are in place. Leaving it by an exception (Ctrl-C included) deletes the staging and touches nothing.
+    replaces every output by its staged version (``commit``), then deletes ``stage``'s checkpoints: a run is finished
+    only once its outputs are in place. Leaving it by an exception (Ctrl-C included) deletes the staging only.
 
     The replacement is one unit whatever is killed when: the journal ``data/checkpoints/.<stage>.commit`` exists
     from the moment every new output is staged until the previous ones are gone; a run that finds it finishes moving
-    the new set in, one that does not puts every previous output back. So the outputs are never a mix of two runs'.
+    the new set in, one that does not puts every previous output back: never a mix of two runs' outputs.
     """
 
     def __init__(self, outputs: Iterable[Path], stage: str | None = None) -> None:
@@ -240,8 +237,8 @@ class StagedOutputs:
             self.move_in()
             self.finish(checkpoints=False)  # under DVC, which recorded nothing, a rerun of that run resumes from them
         self.put_back()
-        if self.stage is not None:
-            clear_discarded(CHECKPOINTS_DIR)
+        if self.stage is not None:  # this stage's only: another stage may be deleting its own right now
+            remove(discarded(checkpoint_dir(self.stage)))
 
     def unlock(self) -> None:
         if self.lock is not None:
@@ -273,8 +270,9 @@ class StagedOutputs:
                          " (the previous one is replaced only when the stage completes)")
 
     def commit(self) -> None:
-        """Replace the previous outputs by the staged ones (``move_in``), then ``finish``; on a failure before the
-        end, put every previous output back."""
+        """Unless params.yaml changed under the stage (``params.changed_since_read``: a second ``dvc exp run`` in the
+        workspace rewrites it), replace the previous outputs by the staged ones, each of which must have been written
+        (``move_in``), then ``finish``; on a failure before the end, put every previous output back."""
         if self.stage is not None and (change := changed_since_read(self.stage)):
             raise PipelineError(f"params.yaml changed while {self.stage} ran ({change}): its outputs were not "
                                 "replaced, as DVC would record them with the new values (another dvc exp run in "

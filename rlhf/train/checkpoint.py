@@ -34,7 +34,7 @@ from safetensors.torch import load_model, save_model
 
 from rlhf.models.loading import safetensors_problem
 from rlhf.pipeline.errors import PipelineError
-from rlhf.pipeline.io import atomic_path, check_writable, clear_discarded, discard, require_free_space
+from rlhf.pipeline.io import REMOVED, atomic_path, check_writable, discard, remove, require_free_space
 from rlhf.pipeline.params import Params, expand, stage_values
 from rlhf.pipeline.paths import CHECKPOINT_PREFIX, checkpoints
 from rlhf.pipeline.wiring import wiring
@@ -205,10 +205,9 @@ def find(folder: Path, fingerprint: str, prune: bool = True, required: Iterable[
         if prune:
             log.info("removing %s (%s)", path, reason)
             discard(path)
-    if prune and folder.is_dir():
-        for tmp in folder.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
-            shutil.rmtree(tmp, ignore_errors=True)
-        clear_discarded(folder)
+    if prune and folder.is_dir():  # what killed saves and removals left
+        for leftover in [*folder.glob(f".{CHECKPOINT_PREFIX}*.tmp"), *folder.glob(f".*{REMOVED}")]:
+            remove(leftover)
     return found
 
 
