@@ -114,6 +114,23 @@ def test_a_truncated_or_empty_weights_file_is_named(truncate: Callable[[int], in
         load(model)
 
 
+def test_a_model_whose_weights_do_not_cover_it_or_made_for_another_task_is_refused(
+        tiny_gpt2_dir: Path, tiny_classifier_dir: Path, tmp_path: Path) -> None:
+    """transformers starts the weights a checkpoint lacks at random, with a warning only, and loads a classifier's
+    backbone into an LM head: either trained a policy that was not the one named, without a word."""
+    lacking = shutil.copytree(tiny_gpt2_dir, tmp_path / "lacking")
+    tensors = load_file(lacking / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "h.1.mlp.c_fc" not in k}, lacking / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=rf"^model.policy: {re.escape(str(lacking))}: its weights lack 2 of the "
+                                         r"model's tensors \(transformer.h.1.mlp.c_fc.bias, \.\.\.\), which would "
+                                         r"start random"):
+        load_causal_lm(str(lacking), defaults().model)
+    with pytest.raises(ModelError, match=rf"^model.policy: {re.escape(str(tiny_classifier_dir))}: a "
+                                         r"GPT2ForSequenceClassification, not a causal LM$"):
+        load_causal_lm(str(tiny_classifier_dir), defaults().model)
+
+
 def test_a_many_output_reward_base_fails_naming_it_before_anything_changes(
         stage_project: Callable[[str], Path], tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     project = stage_project("reward")

@@ -259,6 +259,10 @@ def test_unreadable_params_file(tmp_path: Path) -> None:
     (tmp_path / "params.yaml").write_text("ppo: [unclosed\n")
     with pytest.raises(ParamsError, match="params.yaml: not valid YAML"):
         load_params(path=tmp_path / "params.yaml")
+    (tmp_path / "params.yaml").unlink()
+    (tmp_path / "params.yaml").mkdir()  # was IsADirectoryError's traceback
+    with pytest.raises(ParamsError, match=r"params.yaml: cannot be read \(Is a directory\)$"):
+        load_params(path=tmp_path / "params.yaml")
 
 
 def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:

@@ -174,16 +174,28 @@ def fast_activations(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, **kwargs: Any) -> PreTrainedModel:
+OTHER_TASKS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMultipleChoice")
+
+
+def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, new_head: bool = False,
+                     **kwargs: Any) -> PreTrainedModel:
+    """``auto_cls.from_pretrained``, every weight of the model from the checkpoint: transformers would start the ones
+    it lacks at random, with a warning; only a ``new_head`` (a reward model's score head on a base) may be new."""
     check_local_dir(name, what)
     check_weights_format(name, what, model.allow_pickle)
     check_safetensors(name, what)
     try:
-        loaded = auto_cls.from_pretrained(
-            name, use_safetensors=None if model.allow_pickle else True, **_load_kwargs(name, model), **kwargs
+        loaded, info = auto_cls.from_pretrained(
+            name, use_safetensors=None if model.allow_pickle else True, output_loading_info=True,
+            **_load_kwargs(name, model), **kwargs
         )
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise ModelError(f"{what}: cannot load a model from {name!r}: {str(e).splitlines()[0]}") from None
+    missing = sorted(key for key in info["missing_keys"]
+                     if not (new_head and not key.startswith(loaded.base_model_prefix)))
+    if missing:
+        raise ModelError(f"{what}: {name}: its weights lack {len(missing)} of the model's tensors ({missing[0]}, "
+                         "...), which would start random: a truncated or mismatched checkpoint")
     return fast_activations(loaded)
 
 
@@ -198,14 +210,20 @@ def load_config(name: str, model: ModelParams, what: str) -> PretrainedConfig:
 
 def load_causal_lm(name: str, model: ModelParams, what: str = "model.policy",
                    dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """Load a causal LM (policy, reference, SFT base)."""
-    return _from_pretrained(AutoModelForCausalLM, name, model, what, dtype=dtype)
+    """Load a causal LM (policy, reference, SFT base); a model saved for another task (a classifier, whose backbone
+    loads into an LM head without a word) is refused."""
+    lm = _from_pretrained(AutoModelForCausalLM, name, model, what, dtype=dtype)
+    saved = lm.config.architectures or []
+    if saved and all(arch.endswith(OTHER_TASKS) for arch in saved):
+        raise ModelError(f"{what}: {name}: a {saved[0]}, not a causal LM")
+    return lm
 
 
-def load_sequence_classifier(name: str, model: ModelParams, what: str = "reward.model",
+def load_sequence_classifier(name: str, model: ModelParams, what: str = "reward.model", new_head: bool = False,
                              **kwargs: Any) -> PreTrainedModel:
-    """Load a sequence classifier (sentiment scorer, reward model, judge); ``kwargs`` go to from_pretrained."""
-    return _from_pretrained(AutoModelForSequenceClassification, name, model, what, **kwargs)
+    """Load a sequence classifier (sentiment scorer, reward model, judge; ``new_head``: a reward model's base, whose
+    score head is new); ``kwargs`` go to from_pretrained."""
+    return _from_pretrained(AutoModelForSequenceClassification, name, model, what, new_head, **kwargs)
 
 
 def check_vocab_match(tokenizer: PreTrainedTokenizerBase, lm: PreTrainedModel, what: str) -> None:

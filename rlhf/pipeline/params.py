@@ -93,6 +93,8 @@ def read_yaml(path: Path | str) -> Any:
         raise ParamsError(f"{path}: not found (run from the project root)") from None
     except UnicodeDecodeError as e:
         raise ParamsError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
+    except OSError as e:  # a folder, no permission
+        raise ParamsError(f"{path}: cannot be read ({e.strerror})") from None
     return parse_yaml(text, str(path))
 
 

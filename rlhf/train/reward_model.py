@@ -43,7 +43,7 @@ def build(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
                               num_labels=1, pad_token_id=tokenizer.pad_token_id)
     else:
         check_reward_base(path, params, what)
-        model = load_sequence_classifier(path, params.model, what=what, num_labels=1)
+        model = load_sequence_classifier(path, params.model, what=what, new_head=True, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
