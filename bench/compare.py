@@ -4,8 +4,10 @@
 
 Each peer runs in its own virtual environment under ``bench/.venvs/`` (created on first use, reused after; TRL is
 never a dependency of the product). Ours and each peer run in turn as subprocesses of this one invocation; each prints
-one JSON line (see ``bench.configs.summarize``), and this script prints the table, every peer's s/iter as a multiple
-of ours, and, as its last line, one JSON object with everything.
+one JSON line (see ``bench.configs.summarize``), and this script prints the table, every peer's s/iter and peak memory
+as multiples of ours, and, as its last line, one JSON object with everything. The peer ``ours-lora16`` is our own
+trainer with LoRA r = 16 (in this interpreter): ``--config bench-cpu-medium --peers ours-lora16`` sets LoRA against
+full fine-tuning on a GPT-2-medium shape.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ REQUIREMENTS = {
 
 @dataclass(frozen=True)
 class Peer:
-    venv: str
+    venv: str | None  # None: this interpreter (our trainer in another setting)
     module: str
     args: tuple[str, ...] = ()
 
@@ -47,6 +49,7 @@ PEERS = {
     "trl011-per-query": Peer("trl011", "bench.peers.trl_legacy", ("--generate", "per-query")),
     "trl011-batched": Peer("trl011", "bench.peers.trl_legacy", ("--generate", "batched")),
     "trl112": Peer("trl112", "bench.peers.trl_experimental"),
+    "ours-lora16": Peer(None, "bench.ppo_step", ("--lora-r", "16")),
 }
 
 
@@ -110,17 +113,21 @@ def run(runner: str, command: list[str], env: dict[str, str]) -> dict | None:
     return json.loads(last)
 
 
-def print_table(results: dict[str, dict], peak: float) -> dict[str, float]:
-    """The side-by-side table; returns each runner's s/iter as a multiple of ours."""
+def print_table(results: dict[str, dict], peak: float) -> dict[str, dict[str, float]]:
+    """The side-by-side table; returns each runner's s/iter and peak memory as multiples of ours."""
     ours = results.get("ours")
-    ratios = {name: r["s_per_iter"] / ours["s_per_iter"] for name, r in results.items()} if ours else {}
+    ratios = {name: {key: r[key] / ours[key] for key in ("s_per_iter", "peak_mem_mb")}
+              for name, r in results.items()} if ours else {}
     header = f"{'runner':<18}{'generate':>9}{'score':>7}{'forward':>8}{'update':>8}{'s/iter':>8}{'samples/s':>10}"
-    print(f"\n{header}{'update GFLOP/s':>15}{'% of peak':>10}{'s/iter / ours':>14}  precision")
+    print(f"\n{header}{'update GFLOP/s':>15}{'% of peak':>10}{'s/iter / ours':>14}{'peak MB':>9}{'/ ours':>7}"
+          "  precision")
     for name, r in results.items():
-        ratio = f"{ratios[name]:.2f}x" if name in ratios else "-"
+        time, memory = (f"{ratios[name][key]:.2f}x" if name in ratios else "-" for key in ("s_per_iter",
+                                                                                          "peak_mem_mb"))
         print(f"{name:<18}{r['generate_s']:>9.2f}{r['score_s']:>7.2f}{r['forward_s']:>8.2f}{r['update_s']:>8.2f}"
               f"{r['s_per_iter']:>8.2f}{r['samples_per_s']:>10.2f}{r['update_gflops']:>15.1f}"
-              f"{r['update_gflops'] / peak:>10.0%}{ratio:>14}  {r.get('precision', '-')}")
+              f"{r['update_gflops'] / peak:>10.0%}{time:>14}{r['peak_mem_mb']:>9.0f}{memory:>7}  "
+              f"{r.get('precision', '-')}")
     print(f"seconds are medians per iteration; peak = {peak:.0f} GFLOP/s matmul on this machine; update FLOPs = "
           "ppo_epochs x batch x 6 x (bodies x 12 L E^2 x padded length + E V x LM-head positions)")
     return ratios
@@ -140,7 +147,7 @@ def main() -> None:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise SystemExit(f"error: --peers: unknown peer {unknown[0]!r} (known: {', '.join(PEERS)})")
-    venvs = dict.fromkeys(PEERS[p].venv for p in peers)
+    venvs = dict.fromkeys(PEERS[p].venv for p in peers if PEERS[p].venv is not None)
     pythons = {name: setup_venv(name, args.wheels, args.system_torch) for name in venvs}
     if args.setup_only:
         return
@@ -150,10 +157,11 @@ def main() -> None:
               "--iters", str(args.iters), "--precision", args.precision] + (["--threads", str(args.threads)]
                                                                             if args.threads else [])
     commands = {"ours": [sys.executable, "-m", "bench.ppo_step"]}
-    commands |= {p: [str(pythons[PEERS[p].venv]), "-m", PEERS[p].module, *PEERS[p].args] for p in peers}
+    commands |= {p: [str(pythons[PEERS[p].venv]) if PEERS[p].venv else sys.executable, "-m", PEERS[p].module,
+                     *PEERS[p].args] for p in peers}
     results = {}
     for runner, command in commands.items():
-        result = run(runner, command + common, bench_env(peer=runner != "ours"))
+        result = run(runner, command + common, bench_env(peer=command[0] != sys.executable))
         if result is not None:
             results[runner] = result
     if not results:
@@ -166,7 +174,8 @@ def main() -> None:
         print("warning: the runners saw different prompts (prompts_sha1 differs): the comparison is not like for like")
     failed = [runner for runner in commands if runner not in results]
     print(json.dumps({"config": args.config, "iters": args.iters, "peak_gflops": peak, "same_prompts": same_prompts,
-                      "failed": failed, "ratio_to_ours": {k: round(v, 3) for k, v in ratios.items()},
+                      "failed": failed, "ratio_to_ours": {k: round(v["s_per_iter"], 3) for k, v in ratios.items()},
+                      "memory_ratio_to_ours": {k: round(v["peak_mem_mb"], 3) for k, v in ratios.items()},
                       "results": results}))
     if failed:
         sys.exit(1)

@@ -60,6 +60,9 @@ CONFIGS = {
                                     ppo_epochs=4, new_tokens=16),
     "bench-gpu-large": BenchConfig("bench-gpu-large", 36, 1280, 20, 50257, batch_size=128, mini_batch_size=128,
                                    ppo_epochs=4, new_tokens=16),
+    # GPT-2-medium's shape at a CPU batch (LoRA against full fine-tuning: bench.compare --peers ours-lora16)
+    "bench-cpu-medium": BenchConfig("bench-cpu-medium", 24, 1024, 16, 50257, batch_size=16, mini_batch_size=8,
+                                    ppo_epochs=1, new_tokens=16),
     # a smoke-test size: seconds, not minutes
     "toy": BenchConfig("toy", 2, 64, 2, 50257, batch_size=8, mini_batch_size=4, ppo_epochs=1, new_tokens=8),
 }
@@ -126,17 +129,20 @@ def mean_padded_length(cfg: BenchConfig, batches: list[list[list[int]]]) -> floa
 
 
 def pass_flops(cfg: BenchConfig, positions: float, head_positions: float, bodies: int = 1, heads: int = 1,
-               backward: bool = False) -> float:
-    """Analytic FLOPs of running models over one batch: 2 per weight per position forward, 4 more backward.
+               backward: bool = False, weight_grads: bool = True) -> float:
+    """Analytic FLOPs of running models over one batch: 2 per weight per position forward, 4 more backward (2 for
+    the inputs' gradients, 2 for the weights'; ``weight_grads`` False: frozen weights, as under LoRA, whose small
+    adapters are left out).
 
-    ``batch x (2 or 6) x (bodies x 12 L E^2 x positions + heads x E V x head_positions)``, where ``positions`` is
+    ``batch x (2, 4 or 6) x (bodies x 12 L E^2 x positions + heads x E V x head_positions)``, where ``positions`` is
     the padded length (longest prompt + response), ``head_positions`` the positions that go through the
     50,257-wide LM head (the response positions for us, every position for TRL), and ``bodies`` / ``heads`` count
     the transformers / LM heads run (policy, reference, a separate value model). Attention scores (quadratic in a
     ~24-token length) and the 1-wide value head are left out.
     """
     per_sample = bodies * cfg.body_params * positions + heads * cfg.head_params * head_positions
-    return (6 if backward else 2) * cfg.batch_size * per_sample
+    per_weight = 2 + (2 + 2 * weight_grads if backward else 0)
+    return per_weight * cfg.batch_size * per_sample
 
 
 def use_bf16(precision: str) -> bool:

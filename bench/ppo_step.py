@@ -8,7 +8,8 @@ peak_gflops, update_share_of_peak, learn_gflops, prompts_sha1, estimator, sample
 
 ``--estimator rloo --samples-per-prompt 4`` times another ppo.advantage_estimator at the same batch_size (samples):
 each iteration answers the first batch_size / k prompts of its batch k times each. ``--value-model separate`` gives
-gae its own critic.
+gae its own critic. ``--lora-r 16`` trains LoRA adapters (model.lora's other keys at their defaults) against the
+adapters-off reference instead of every weight against a second model.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from bench.configs import (
     use_bf16,
 )
 from rlhf.models.loading import fast_activations, load_tokenizer
+from rlhf.models.lora import add_lora
 from rlhf.models.policy import PolicyWithValueHead, disable_dropout
 from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
@@ -72,15 +74,22 @@ def ppo_params(cfg: BenchConfig, args: argparse.Namespace) -> PpoParams:
         raise SystemExit(f"ppo.{key}: {message} (--config {cfg.name} with the command line's options)") from None
 
 
-def build_trainer(cfg: BenchConfig, ppo: PpoParams, tokenizer, device: torch.device, bf16: bool) -> PPOTrainer:
+def build_trainer(cfg: BenchConfig, ppo: PpoParams, tokenizer, device: torch.device, bf16: bool,
+                  lora_r: int = 0) -> PPOTrainer:
     torch.manual_seed(0)
     config = GPT2Config(**gpt2_config_kwargs(cfg, tokenizer.eos_token_id))
-    lm, ref = fast_activations(GPT2LMHeadModel(config)), fast_activations(GPT2LMHeadModel(config))
-    ref.load_state_dict(lm.state_dict())
+    lm = fast_activations(GPT2LMHeadModel(config))
+    if lora_r:
+        add_lora(lm, defaults().model.lora.model_copy(update={"r": lora_r}))
+        ref = None
+    else:
+        ref = fast_activations(GPT2LMHeadModel(config))
+        ref.load_state_dict(lm.state_dict())
+        disable_dropout(ref)
+        ref = ref.to(device)
     disable_dropout(lm)
-    disable_dropout(ref)
-    return PPOTrainer(PolicyWithValueHead(lm, ppo.critic).to(device), ref.to(device), tokenizer,
-                      StandInScorer(tokenizer), ppo, device, "bf16" if bf16 else "fp32")
+    return PPOTrainer(PolicyWithValueHead(lm, ppo.critic).to(device), ref, tokenizer, StandInScorer(tokenizer), ppo,
+                      device, "bf16" if bf16 else "fp32")
 
 
 def main() -> None:
@@ -92,16 +101,19 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppo.samples_per_prompt (k)")
     parser.add_argument("--value-model", choices=["shared", "separate"], default="shared",
                         help="ppo.value_model (gae only)")
+    parser.add_argument("--lora-r", type=int, default=0, help="model.lora.r (0: every weight trains)")
     args = parser.parse_args()
     set_threads(args.threads)
 
     cfg = CONFIGS[args.config]
     device = pick_device()
     ppo = ppo_params(cfg, args)
+    if args.lora_r and ppo.critic == "separate":
+        raise SystemExit("--value-model separate: LoRA keeps one copy of the weights; a separate critic is a second")
     tokenizer = load_tokenizer(args.tokenizer, defaults().model, what="--tokenizer")
     batches = [batch[: ppo.prompts_per_step] for batch in load_prompts(args.data, tokenizer, cfg, args.iters)]
     bf16 = use_bf16(args.precision)
-    trainer = build_trainer(cfg, ppo, tokenizer, device, bf16)
+    trainer = build_trainer(cfg, ppo, tokenizer, device, bf16, args.lora_r)
 
     rows = []
     for i, batch in enumerate(batches):
@@ -118,13 +130,17 @@ def main() -> None:
     critic = ppo.critic
     positions = mean_padded_length(cfg, batches[1:])
     bodies = 2 if critic == "separate" else 1
-    update = cfg.ppo_epochs * pass_flops(cfg, positions, cfg.new_tokens, bodies=bodies, backward=True)
+    update = cfg.ppo_epochs * pass_flops(cfg, positions, cfg.new_tokens, bodies=bodies, backward=True,
+                                         weight_grads=not args.lora_r)
     forward = pass_flops(cfg, positions, cfg.new_tokens, bodies=1 + bodies, heads=2)  # policy (+ critic) + reference
     notes = f"{critic} value head" if critic else "no value head"
+    lora = (f"LoRA r={args.lora_r}, the reference its adapters off" if args.lora_r
+            else "every weight trained, a second model as reference")
     result = summarize("ours", cfg, batches, rows, update, forward, bf16,
-                       notes=f"{ppo.advantage_estimator}, k={ppo.samples_per_prompt}; {notes}; LM head on response "
-                             "positions only")
-    print(json.dumps(result | {"estimator": ppo.advantage_estimator, "samples_per_prompt": ppo.samples_per_prompt}))
+                       notes=f"{ppo.advantage_estimator}, k={ppo.samples_per_prompt}; {notes}; {lora}; LM head on "
+                             "response positions only")
+    print(json.dumps(result | {"estimator": ppo.advantage_estimator, "samples_per_prompt": ppo.samples_per_prompt,
+                               "lora_r": args.lora_r}))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 
 from rlhf.models.loading import initial_policy, load_initial_policy, save_pretrained
+from rlhf.models.lora import add_lora
 from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, run_switchable, write_json
@@ -50,6 +51,8 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     ref_logprobs = dpo.read_reference(dpo.reference_key(params))
     generator = seed_everything(params.seed)
     lm, tokenizer, what = load_initial_policy(params)
+    if params.model.lora.r:  # the reference stays the initial policy: data/ref_logprobs
+        add_lora(lm, params.model.lora)
     dpo.check_context(lm, cfg.max_length, what)
     outputs.check_free_space(DPO_DIR, checkpoint.weights_bytes(lm))
     device, precision = pick_device(), params.model.precision

@@ -5,7 +5,8 @@ of evaluate.best_of_n reference responses per prompt, whose KL is reported as th
 (kl.best_of_n_bound) instead of the sampled and exact KL. Everything else is measured the same way for every method.
 
 Reads   data/prompts/eval.parquet, the policy of method, the reference (models/sft when sft.enabled, else
-        model.policy), the reward (models/reward when reward.train, else reward.model), the judges of evaluate.judges
+        model.policy), the reward (models/reward when reward.train, else reward.model, plus reward.functions), the
+        judges of evaluate.judges
 Writes  metrics/eval.json                     flat keys (see rlhf/eval/evaluation.py) for dvc metrics diff
         data/eval/samples.parquet             query, response_before/after, every score before/after, kl, kl_full
         metrics/evaluate/report.md            before/after summary and examples
@@ -25,7 +26,7 @@ from rlhf.eval.evaluation import evaluate_policy, markdown_report
 from rlhf.eval.plots import histogram
 from rlhf.models.loading import check_vocab_match, load_causal_lm, load_initial_policy
 from rlhf.models.precision import pick_device
-from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer, reward_model_path
+from rlhf.models.scorers import REWARD, describe_reward, make_reward_scorer, make_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import StagedOutputs, write_json, write_parquet, write_text
@@ -52,7 +53,7 @@ def describe(params: Params, n: int) -> str:
     return (f"{n} held-out prompts from `{EVAL_PROMPTS}`. Each model answers every prompt once, with the same "
             f"per-prompt response length ({cfg.response_min_tokens}-{cfg.response_max_tokens} tokens) and seed "
             f"({params.seed}), sampled as in training (top_k={cfg.top_k}, top_p={cfg.top_p}, "
-            f"temperature={cfg.temperature}). Reward: `{reward_model_path(params)[0]}`. Judges: {judges or 'none'}."
+            f"temperature={cfg.temperature}). Reward: {describe_reward(params)}. Judges: {judges or 'none'}."
             + (BEST_OF_N.format(n=params.evaluate.best_of_n) if params.method == "best_of_n" else ""))
 
 
@@ -70,7 +71,7 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
 
     # every scorer and model loads (or fails naming its key) before any sampling
     longest = prompts.longest + params.ppo.response_max_tokens  # what each scorer reads at most
-    scorers = {REWARD: make_reward_scorer(params, device, longest)}
+    scorers = {REWARD: make_reward_scorer(params, device, STAGE, prompts.queries, longest)}
     for i, (name, spec) in enumerate(zip(names, params.evaluate.judges, strict=True)):
         scorers[name] = make_scorer(spec, params, device, f"evaluate.judges[{i}]", longest)
     reference, tokenizer, what = load_initial_policy(params)

@@ -2,7 +2,8 @@
 grid of beta, and best-of-n for n = 1, 2, 4, ..., N, from one pool of N reference samples per eval prompt.
 
 Reads   data/prompts/eval.parquet (the first optimum.prompts), the reference (models/sft when sft.enabled, else
-        model.policy), the reward (models/reward when reward.train, else reward.model), evaluate.judges
+        model.policy), the reward (models/reward when reward.train, else reward.model, plus reward.functions),
+        evaluate.judges
 Writes  data/optimum/pool.parquet      N responses per prompt, sampled as evaluate samples (each prompt at its
                                        evaluation length, ppo's sampling settings, the seed), a score column for the
                                        reward and for every judge
@@ -56,7 +57,7 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     seed_everything(params.seed)
     # every scorer and the reference load (or fail naming their key) before any sampling
     longest = prompts.longest + cfg.response_max_tokens  # what each scorer reads at most
-    scorers = {REWARD: make_reward_scorer(params, device, longest)}
+    scorers = {REWARD: make_reward_scorer(params, device, STAGE, prompts.queries, longest)}
     for i, (name, spec) in enumerate(zip(params.evaluate.judge_names, params.evaluate.judges, strict=True)):
         scorers[name] = make_scorer(spec, params, device, f"evaluate.judges[{i}]", longest)
     reference, tokenizer, what = load_initial_policy(params)

@@ -1,7 +1,7 @@
 """ppo: PPO against the reward scorer, from the initial policy (models/sft or model.policy).
 
 Reads   data/prompts/train.parquet, the initial policy and reference (models/sft when sft.enabled, else
-        model.policy), the reward (models/reward when reward.train, else reward.model)
+        model.policy), the reward (models/reward when reward.train, else reward.model, plus reward.functions)
 Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM), value_head.safetensors beside it
                                 (gae only: the other estimators train no value head); when method is not ppo, only
                                 DISABLED markers here, in data/rollouts/ and in metrics/ppo/
@@ -35,6 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.prompts import Prompts, check_prompts, read_prompts
 from rlhf.models.loading import check_vocab_match, context_size, initial_tokenizer, load_causal_lm
+from rlhf.models.lora import add_lora
 from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
 from rlhf.models.precision import pick_device
 from rlhf.models.scorers import make_reward_scorer
@@ -97,8 +98,9 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
     process but the main one)."""
     cfg = params.ppo
     device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
-    # first: a model that cannot score (or not the longest prompt + response) is refused from its config
-    scorer = make_reward_scorer(params, device, prompts.longest + cfg.response_max_tokens)
+    # first: a reward function that fails, or a model that cannot score (or not the longest prompt + response),
+    # is refused before any model loads
+    scorer = make_reward_scorer(params, device, STAGE, prompts.queries, prompts.longest + cfg.response_max_tokens)
     seed_everything(params.seed + rank)
     policy, ref, tokenizer = load_models(params, device)
     if is_main:
@@ -127,13 +129,18 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
         log.info("ppo: %s", summary)
 
 
-def load_models(params: Params,
-                device: torch.device) -> tuple[PolicyWithValueHead, PreTrainedModel, PreTrainedTokenizerBase]:
-    """Policy (+ value head), frozen reference and tokenizer, checked against each other and the prompt lengths."""
+def load_models(params: Params, device: torch.device
+                ) -> tuple[PolicyWithValueHead, PreTrainedModel | None, PreTrainedTokenizerBase]:
+    """Policy (+ value head), frozen reference and tokenizer, checked against each other and the prompt lengths. With
+    model.lora.r > 0 the policy's LM trains adapters and the reference is None: that LM with its adapters off."""
     initial, tokenizer = initial_tokenizer(params)
     what = initial.what
     lm = load_causal_lm(initial.path, params.model, what=what)
-    ref = load_causal_lm(initial.path, params.model, what=what)
+    if params.model.lora.r:
+        add_lora(lm, params.model.lora)
+        ref = None
+    else:
+        ref = load_causal_lm(initial.path, params.model, what=what)
     check_vocab_match(tokenizer, lm, "model.tokenizer")
     longest = params.prepare.prompt_max_tokens + params.ppo.response_max_tokens
     if longest > context_size(lm):
@@ -141,9 +148,10 @@ def load_models(params: Params,
                          f"{what}'s {context_size(lm)} positions")
     if params.ppo.disable_dropout:
         disable_dropout(lm)
-        disable_dropout(ref)
-    policy = PolicyWithValueHead(lm, params.ppo.critic)
-    return policy.to(device), ref.to(device), tokenizer
+        if ref is not None:
+            disable_dropout(ref)
+    policy = PolicyWithValueHead(lm, params.ppo.critic).to(device)
+    return policy, ref.to(device) if ref is not None else None, tokenizer
 
 
 def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpointing | None,

@@ -1,7 +1,8 @@
 """sample_pairs: preference pairs sampled as in the DPO paper's IMDb experiment, for dpo.pairs sampled.
 
 Reads   data/prompts/train.parquet (the first dpo.sample_prompts), the initial policy (models/sft when sft.enabled,
-        else model.policy), the reward (models/reward when reward.train, else reward.model)
+        else model.policy), the reward (models/reward when reward.train, else reward.model, plus
+        reward.functions)
 Writes  data/sampled_pairs/{train,test}.parquet  prompt, chosen, rejected, chosen_score, rejected_score: every two of
                                                  a prompt's dpo.samples_per_prompt completions with different reward
                                                  scores, the higher-scored chosen; test holds the pairs of the last
@@ -64,7 +65,8 @@ def write_pairs(params: Params, outputs: StagedOutputs) -> None:
     indices = split(prompts, params.dpo.sample_prompts)
     seed_everything(params.seed)
     device = pick_device()
-    scorer = make_reward_scorer(params, device, prompts.longest + params.ppo.response_max_tokens)
+    longest = prompts.longest + params.ppo.response_max_tokens
+    scorer = make_reward_scorer(params, device, STAGE, prompts.queries, longest)
     lm, tokenizer, _ = load_initial_policy(params)
     cfg = params.ppo
     check_prompts(TRAIN_PROMPTS, prompts, tokenizer, lm, cfg.response_max_tokens, "the initial policy")

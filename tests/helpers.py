@@ -5,10 +5,12 @@ Test modules import from here or from conftest, never from one another.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -16,6 +18,7 @@ import torch
 from conftest import set_params
 
 from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.models.lora import add_lora
 from rlhf.models.policy import PolicyWithValueHead, disable_dropout
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.wiring import wiring
@@ -106,18 +109,54 @@ class TokenShareScorer:
         return torch.tensor(shares, dtype=torch.float32)
 
 
-def make_trainer(tiny_gpt2_dir: Path, scorer_cls: type = TokenShareScorer, precision: str = "auto",
+@contextlib.contextmanager
+def interrupted_at_call(owner: object, name: str, n: int) -> Iterator[None]:
+    """Inside the block ``owner.name`` raises KeyboardInterrupt (a Ctrl-C) on its ``n``-th call."""
+    real, calls = getattr(owner, name), 0
+
+    def interrupting(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    setattr(owner, name, interrupting)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
+def projections(n_layer: int = 2, suffix: str = "") -> set[str]:
+    """The names of a GPT-2's attention and MLP projections (LoRA's default targets), each + ``suffix``."""
+    return {f"transformer.h.{i}.{proj}{suffix}" for i in range(n_layer)
+            for proj in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+
+
+def moved_weights(trained: torch.nn.Module, initial: torch.nn.Module) -> set[str]:
+    """The names of the weights that differ between two models of one architecture."""
+    before = initial.state_dict()
+    return {name for name, weight in trained.state_dict().items() if not torch.equal(weight, before[name])}
+
+
+def make_trainer(tiny_gpt2_dir: Path, scorer_cls: type = TokenShareScorer, precision: str = "auto", lora_r: int = 0,
                  **overrides: object) -> PPOTrainer:
-    """A PPOTrainer on the tiny GPT-2 (dropout off) with a scorer of ``scorer_cls``; ``overrides`` are ppo.* params."""
+    """A PPOTrainer on the tiny GPT-2 (dropout off) with a scorer of ``scorer_cls``; ``overrides`` are ppo.* params.
+    ``lora_r`` > 0: the policy trains rank-``lora_r`` adapters and the reference is it with them off."""
     torch.manual_seed(0)
     settings = dict(batch_size=16, mini_batch_size=8, ppo_epochs=4, learning_rate=3e-3, adap_kl_ctrl=False,
                     init_kl_coef=0.01, response_min_tokens=4, response_max_tokens=8)
     cfg = defaults().ppo.model_copy(update=settings | overrides)
     tokenizer = load_tokenizer(str(tiny_gpt2_dir), defaults().model)
     lm = load_causal_lm(str(tiny_gpt2_dir), defaults().model)
-    ref = load_causal_lm(str(tiny_gpt2_dir), defaults().model)
+    if lora_r:
+        add_lora(lm, defaults().model.lora.model_copy(update={"r": lora_r}))
+        ref = None
+    else:
+        ref = load_causal_lm(str(tiny_gpt2_dir), defaults().model)
+        disable_dropout(ref)
     disable_dropout(lm)
-    disable_dropout(ref)
     scorer = scorer_cls(tokenizer, cutoff=len(tokenizer) // 4)
     policy = PolicyWithValueHead(lm, cfg.critic)
     return PPOTrainer(policy, ref, tokenizer, scorer, cfg, torch.device("cpu"), precision)

@@ -62,6 +62,8 @@ def test_pass_flops_counts_each_weight_at_each_position_it_runs_on() -> None:
     assert trl - ours == pytest.approx(cfg.batch_size * 6 * cfg.head_params * 8)
     assert separate_critic - trl == pytest.approx(cfg.batch_size * 6 * cfg.body_params * 24)
     assert pass_flops(cfg, 24, 16) * 3 == pytest.approx(ours)  # forward alone: a third of forward + backward
+    # frozen weights (LoRA) have no weight gradients: forward and the inputs' gradients, two thirds
+    assert pass_flops(cfg, 24, 16, backward=True, weight_grads=False) * 3 == pytest.approx(ours * 2)
 
 
 def run_main(module: ModuleType, args: list[str], monkeypatch: pytest.MonkeyPatch, capsys) -> dict:
@@ -76,25 +78,26 @@ def run_main(module: ModuleType, args: list[str], monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("estimator", "k"), [("gae", 1), ("rloo", 4)])
+@pytest.mark.parametrize(("estimator", "k", "lora_r"), [("gae", 1, 0), ("rloo", 4, 0), ("gae", 1, 4)])
 def test_ppo_step_runs_the_trainer_and_prints_the_result_line(tokenizer_dir: Path, imdb_dir: Path, capsys,
                                                               monkeypatch: pytest.MonkeyPatch, estimator: str,
-                                                              k: int) -> None:
+                                                              k: int, lora_r: int) -> None:
     result = run_main(ppo_step, ["--config", "toy", "--iters", "1", "--threads", "1", "--data", str(imdb_dir),
                                  "--tokenizer", str(tokenizer_dir), "--estimator", estimator,
-                                 "--samples-per-prompt", str(k)], monkeypatch, capsys)
+                                 "--samples-per-prompt", str(k), "--lora-r", str(lora_r)], monkeypatch, capsys)
 
     cfg = CONFIGS["toy"]
     assert result.keys() >= INTERFACE_KEYS
     assert (result["config"], result["iters"], result["runner"]) == ("toy", 1, "ours")
-    assert (result["estimator"], result["samples_per_prompt"]) == (estimator, k)
+    assert (result["estimator"], result["samples_per_prompt"], result["lora_r"]) == (estimator, k, lora_r)
     phases = sum(result[f"{p}_s"] for p in ("generate", "score", "forward", "update"))
     assert 0 < phases <= result["s_per_iter"] + 0.01  # the phases happen inside the timed iteration
     assert result["samples_per_s"] == pytest.approx(cfg.batch_size / result["s_per_iter"], rel=0.01)
     assert result["tokens_per_s"] == pytest.approx(result["samples_per_s"] * cfg.new_tokens, rel=0.01)
     batches = [batch[: cfg.batch_size // k]  # the prompts of a step, each answered k times
                for batch in load_prompts(imdb_dir, load_tokenizer(str(tokenizer_dir), defaults().model), cfg, iters=1)]
-    flops = cfg.ppo_epochs * pass_flops(cfg, mean_padded_length(cfg, batches[1:]), cfg.new_tokens, backward=True)
+    flops = cfg.ppo_epochs * pass_flops(cfg, mean_padded_length(cfg, batches[1:]), cfg.new_tokens, backward=True,
+                                        weight_grads=not lora_r)
     assert result["update_gflop"] == pytest.approx(flops / 1e9, abs=0.05)
     assert result["peak_mem_mb"] > 0
 
@@ -111,12 +114,27 @@ def test_compare_rejects_an_unknown_peer(monkeypatch: pytest.MonkeyPatch) -> Non
         compare.main()
 
 
-def test_compare_ratio_is_each_runner_s_per_iter_over_ours(capsys) -> None:
+def test_compare_ratios_are_each_runner_s_per_iter_and_peak_memory_over_ours(capsys) -> None:
     row = {"generate_s": 1.0, "score_s": 0.0, "forward_s": 1.0, "update_s": 2.0, "samples_per_s": 1.0,
            "update_gflops": 50.0}
-    ratios = compare.print_table({"ours": row | {"s_per_iter": 4.0}, "trl112": row | {"s_per_iter": 10.0}}, 100.0)
-    assert ratios == {"ours": 1.0, "trl112": 2.5}
-    assert "2.50x" in capsys.readouterr().out
+    ratios = compare.print_table({"ours": row | {"s_per_iter": 4.0, "peak_mem_mb": 8000.0},
+                                  "ours-lora16": row | {"s_per_iter": 10.0, "peak_mem_mb": 2000.0}}, 100.0)
+    assert ratios == {"ours": {"s_per_iter": 1.0, "peak_mem_mb": 1.0},
+                      "ours-lora16": {"s_per_iter": 2.5, "peak_mem_mb": 0.25}}
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ours-lora16"))
+    assert "2.50x" in line and "0.25x" in line
+
+
+@pytest.mark.slow
+def test_compare_runs_our_lora_trainer_beside_full_fine_tuning(tokenizer_dir: Path, imdb_dir: Path, capsys,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ours-lora16`` is our own script in this interpreter: no venv is made for it."""
+    monkeypatch.setattr(compare, "setup_venv", lambda *args: pytest.fail("a venv was made"))
+    result = run_main(compare, ["--config", "toy", "--iters", "1", "--threads", "1", "--data", str(imdb_dir),
+                                "--tokenizer", str(tokenizer_dir), "--peers", "ours-lora16"], monkeypatch, capsys)
+    assert not result["failed"] and result["same_prompts"]
+    assert [r["lora_r"] for r in result["results"].values()] == [0, 16]
+    assert result["ratio_to_ours"].keys() == result["memory_ratio_to_ours"].keys() == {"ours", "ours-lora16"}
 
 
 GPU_SHAPES = {"bench-gpu-medium": (24, 1024, 16), "bench-gpu-large": (36, 1280, 20)}

@@ -25,7 +25,7 @@ def test_fingerprint_follows_params_file_content_and_the_stages_code(tmp_path: P
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage's params and code as dvc.yaml lists them (a copy of the project standing for the code that runs)."""
     copy = tmp_path / "project"
-    for name in ("stages", "rlhf"):
+    for name in ("stages", "rlhf", "rewards"):
         shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(ROOT / "dvc.yaml", copy / "dvc.yaml")
     monkeypatch.chdir(copy)
@@ -50,6 +50,11 @@ def test_fingerprint_follows_params_file_content_and_the_stages_code(tmp_path: P
         f.write("\n# changed\n")
     assert checkpoint.fingerprint("ppo", params, [data]) != base
     assert checkpoint.fingerprint("sft", params, [data]) == sft
+    # so does an edited reward function (rewards/ is among ppo's deps)
+    changed = checkpoint.fingerprint("ppo", params, [data])
+    with open(copy / "rewards/text.py", "a") as f:
+        f.write("\n# changed\n")
+    assert checkpoint.fingerprint("ppo", params, [data]) != changed
 
 
 def test_fingerprint_of_a_folder_ignores_bytecode(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 import torch
 from conftest import ROOT, dvc, set_params
-from helpers import ran_stages, signal_pairs
+from helpers import interrupted_at_call, moved_weights, projections, ran_stages, signal_pairs
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlhf.data.prompts import Prompts
@@ -67,8 +68,8 @@ def curve(name: str) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-def test_the_stage_learns_its_pairs_and_a_killed_run_resumes_to_the_same_outputs(
-        dpo_dir: Path, tiny_gpt2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_stage_learns_its_pairs_and_a_killed_run_resumes_to_the_same_outputs(dpo_dir: Path,
+                                                                                 tiny_gpt2_dir: Path) -> None:
     dpo_stage.main()
     metrics = json.loads(DPO_METRICS.read_text())
     assert metrics["trained"] and metrics["steps"] == 8 and metrics["train_pairs"] == 64
@@ -81,21 +82,16 @@ def test_the_stage_learns_its_pairs_and_a_killed_run_resumes_to_the_same_outputs
     initial = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
     assert not torch.equal(trained.lm_head.weight, initial.lm_head.weight)
     assert not Path("data/checkpoints/dpo").exists()
+    assert_a_killed_run_resumes_to(metrics, trained)
+
+
+def assert_a_killed_run_resumes_to(metrics: dict, trained: torch.nn.Module) -> None:
+    """A rerun of the stage killed in its step 4 (by Ctrl-C) keeps the previous outputs and its step-3 checkpoint,
+    from which a rerun ends with ``metrics``, the same curves and the ``trained`` weights."""
     whole = {name: curve(name) for name in ("train/loss", "eval/rewards/accuracies", "eval/rewards/margins")}
-
-    calls, real = 0, dpo_library.pair_losses
-
-    def killed_in_step_4(*args: object, **kwargs: object) -> object:  # two calls a step: its batch, the held-out set
-        nonlocal calls
-        calls += 1
-        if calls == 9:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(dpo_library, "pair_losses", killed_in_step_4)
-        with pytest.raises(KeyboardInterrupt):
-            dpo_stage.main()
+    # two calls a step (its batch, the held-out set): the 9th is in step 4
+    with interrupted_at_call(dpo_library, "pair_losses", 9), pytest.raises(KeyboardInterrupt):
+        dpo_stage.main()
     assert [p.name for p in Path("data/checkpoints/dpo").glob("step-*")] == ["step-000003"]
     assert json.loads(DPO_METRICS.read_text()) == metrics, "the killed run left the previous outputs"
     dpo_stage.main()
@@ -103,6 +99,34 @@ def test_the_stage_learns_its_pairs_and_a_killed_run_resumes_to_the_same_outputs
     resumed = AutoModelForCausalLM.from_pretrained(DPO_DIR)
     for a, b in zip(resumed.parameters(), trained.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_with_lora_the_stage_trains_adapters_against_the_initial_policy_and_saves_the_merged_model(
+        dpo_dir: Path, adaptable_gpt2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_params(dpo_dir, **{"model.policy": str(adaptable_gpt2_dir), "model.lora.r": 4})
+    ref_stage.main()  # the reference's log-probs: the initial policy's, with no adapters
+    checkpoints = Path("data/checkpoints/dpo")
+    calls, real = 0, dpo_library.pair_losses
+
+    def look_at_step_1(*args: object, **kwargs: object) -> object:  # the step-1 checkpoint, before it is replaced
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            weights = load_file(checkpoints / "step-000001" / "model.safetensors")
+            assert weights and all(".lora_A." in name or ".lora_B." in name for name in weights), sorted(weights)
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dpo_library, "pair_losses", look_at_step_1)
+        dpo_stage.main()
+    metrics = json.loads(DPO_METRICS.read_text())
+    assert metrics["eval/rewards/accuracies"] >= 0.9 and metrics["eval/rewards/margins"] > 0
+    trained = AutoModelForCausalLM.from_pretrained(DPO_DIR)
+    initial = AutoModelForCausalLM.from_pretrained(adaptable_gpt2_dir)
+    assert trained.state_dict().keys() == initial.state_dict().keys()
+    assert moved_weights(trained, initial) == projections(suffix=".weight")
+    assert_a_killed_run_resumes_to(metrics, trained)
 
 
 def test_bad_pairs_fail_in_one_line_before_a_model_loads(dpo_dir: Path) -> None:
@@ -179,7 +203,7 @@ def test_method_dpo_on_sampled_pairs_through_dvc(project: Path, imdb_dir: Path, 
     assert json.loads((project / "metrics/eval.json").read_text())["kl.full_mean"] > 0, "evaluate read models/dpo"
 
     # every pair of one prompt's 4 completions with distinct scores, ranked as the reward scorer ranks them
-    scorer = make_reward_scorer(load_params(path=project / "params.yaml"), "cpu")
+    scorer = make_reward_scorer(load_params(path=project / "params.yaml"), "cpu", "sample_pairs", [])
     train, test = (pd.read_parquet(project / path) for path in (SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS))
     assert train["prompt"].nunique() == 18 and test["prompt"].nunique() == 2
     assert train.groupby("prompt").size().max() <= 6

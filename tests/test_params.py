@@ -142,6 +142,21 @@ def test_scratch_model_must_hold_prompt_and_response(raw: dict) -> None:
     refused(raw, "ppo.response_max_tokens", "must fit sft.n_positions (16)")
 
 
+def test_a_reward_needs_a_model_or_a_function(raw: dict) -> None:
+    raw["reward"]["model"] = None
+    refused(raw, "reward.model", "nothing would score the responses")
+    raw["reward"]["functions"] = [{"function": "rewards.text:length_bonus", "weight": 1.0}]
+    assert parse_params(raw).reward.model is None
+    raw["reward"]["functions"] = [{"function": "rewards/text.py", "weight": 1.0}]
+    refused(raw, "reward.functions[0].function", "'module:callable'")
+
+
+def test_lora_keeps_one_copy_of_the_weights(raw: dict) -> None:
+    raw["model"]["lora"]["r"] = 16
+    raw["ppo"]["value_model"] = "separate"
+    refused(raw, "ppo.value_model", "'shared' with model.lora.r > 0")
+
+
 def test_dpo_responses_must_fit_a_scratch_policy(raw: dict) -> None:
     raw["sft"].update(enabled=True, base="scratch", n_positions=32, block_size=32)
     raw["ppo"]["response_max_tokens"] = 16
@@ -177,6 +192,11 @@ def test_ints_are_accepted_for_floats(raw: dict) -> None:
     ("dpo.samples_per_prompt", 1, ">= 2"),
     ("dpo.sample_prompts", 0, "> 0"),
     ("evaluate.best_of_n", 0, ">= 1"),
+    ("model.lora.r", -1, ">= 0"),
+    ("model.lora.alpha", 0, "> 0"),
+    ("model.lora.dropout", 1.0, "[0, 1)"),
+    ("model.lora.target_modules", [], "empty"),
+    ("model.lora.target_modules", "c_attn", "list"),
 ])
 def test_strict_types_and_declared_bounds(raw: dict, dotted: str, value: object, rule: str) -> None:
     refused(with_value(raw, dotted, value), dotted, rule)

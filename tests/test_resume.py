@@ -30,6 +30,7 @@ from helpers import leftovers, run, run_cli, snapshot, training_project
 from safetensors.torch import load_file
 
 from rlhf.pipeline.errors import TrainingError
+from rlhf.pipeline.params import load_params
 from stages import evaluate as evaluate_stage
 from stages import ppo as ppo_stage
 
@@ -183,7 +184,7 @@ class LengthScorer:
 
 def score_with(monkeypatch: pytest.MonkeyPatch, scorer: LengthScorer) -> None:
     """The ppo stage scores with ``scorer`` instead of the reward model."""
-    monkeypatch.setattr(ppo_stage, "make_reward_scorer", lambda params, device, max_tokens: scorer)
+    monkeypatch.setattr(ppo_stage, "make_reward_scorer", lambda *args: scorer)
 
 
 @pytest.mark.slow
@@ -233,15 +234,19 @@ def test_a_nan_stop_keeps_the_outputs_and_the_last_checkpoint_and_skip_resumes_f
     assert json.loads(Path("metrics/ppo.json").read_text())["skipped_batches"] == 0
 
 
+# in-process runs stopped by a NaN score at step 4 and resumed from their step-3 checkpoint (the kill test above
+# covers full fine-tuning with gae): GRPO (no value head in the checkpoint, 2 prompts x 2 samples a step, the KL loss
+# term) and LoRA with gae (the checkpoint holds the adapters and the value head, not the frozen base)
+RESUMED = {"critic-free": {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 2, "ppo.kl_loss_coef": 0.04},
+           "lora": {"model.lora.r": 4, "ppo.learning_rate": 1e-2}}
+
+
 @pytest.mark.slow
-def test_a_critic_free_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(
-        ppo_project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("run", RESUMED)
+def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(
+        run: str, ppo_project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    """GRPO (no value head in the checkpoint, 2 prompts x 2 samples a step, the KL loss term), stopped by a NaN score
-    at step 4 and resumed from its step-3 checkpoint, ends where an uninterrupted run does (in-process, no kills:
-    the kill test above covers gae)."""
-    set_params(ppo_project, **{"ppo.steps": 6, "ppo.checkpoint_every": 2, "ppo.advantage_estimator": "grpo",
-                               "ppo.samples_per_prompt": 2, "ppo.kl_loss_coef": 0.04})
+    set_params(ppo_project, **{"ppo.steps": 6, "ppo.checkpoint_every": 2, **RESUMED[run]})
     reference = tmp_path / "uninterrupted"
     shutil.copytree(ppo_project, reference)
     monkeypatch.chdir(reference)
@@ -253,14 +258,21 @@ def test_a_critic_free_run_resumed_from_its_checkpoint_equals_an_uninterrupted_o
     with pytest.raises(TrainingError, match=r"^step 4: score"):
         ppo_stage.main()
     assert newest_checkpoint(ppo_project) == "step-000003"
+    saved = load_file(ppo_project / CHECKPOINTS / "step-000003" / "model.safetensors")
+    if run == "lora":
+        assert saved and all(".lora_" in name or name.startswith("v_head.") for name in saved), sorted(saved)
     caplog.set_level("INFO")
     score_with(monkeypatch, LengthScorer())
     ppo_stage.main()
     assert "resuming after step 3" in caplog.text
     resumed, uninterrupted = outputs(ppo_project), outputs(reference)
-    assert uninterrupted["value_head"] is None
+    assert (uninterrupted["value_head"] is None) == (run == "critic-free")
     for key in uninterrupted:
         assert resumed[key] == uninterrupted[key], key
+    if run == "lora":  # saved merged, as the initial policy was saved: the same names, moved weights
+        initial = load_file(Path(load_params().model.policy) / "model.safetensors")
+        assert resumed["weights"].keys() == initial.keys()
+        assert any(resumed["weights"][name] != initial[name].tolist() for name in initial)
 
 
 # each stage trains a tiny model for ~40 steps with a checkpoint every 5 (helpers.TRAINING): the sft run draws blocks

@@ -66,7 +66,7 @@ def test_trained_reward_model_must_exist(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.chdir(tmp_path)
     params = defaults().model_copy(update={"reward": defaults().reward.model_copy(update={"train": True})})
     with pytest.raises(ModelError, match=r"^reward.train is true but models/reward holds no trained model"):
-        make_reward_scorer(params, "cpu")
+        make_reward_scorer(params, "cpu", "ppo", [])
 
 
 def relabelled(tmp_path: Path, tokenizer_dir: Path, labels: dict[int, str]) -> Path:

@@ -59,6 +59,24 @@ def test_critic_free_estimators_learn(tiny_gpt2_dir: Path, estimator: str) -> No
     assert "loss/value" not in stats[-1] and "val/mean" not in stats[-1]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["gae", "rloo"])
+def test_reward_goes_up_with_lora_against_the_adapter_free_reference(adaptable_gpt2_dir: Path, estimator: str) -> None:
+    """LoRA with the value head on the shared backbone (gae) and without a critic (rloo): one copy of the weights,
+    the reference its adapters-off self, the base weights never touched."""
+    k = {"advantage_estimator": estimator, "samples_per_prompt": 4} if estimator == "rloo" else {}
+    trainer = make_trainer(adaptable_gpt2_dir, lora_r=8, learning_rate=1e-2, **k)
+    assert trainer.ref_policy is None
+    frozen = {name: p.clone() for name, p in trainer.policy.named_parameters() if not p.requires_grad}
+    stats = train(trainer, 30)
+    first = sum(s["objective/scores"] for s in stats[:4]) / 4
+    last = sum(s["objective/scores"] for s in stats[-4:]) / 4
+    # measured at 30 steps, fp32, gae: 0.12 -> 0.98; the plain tiny GPT-2 (tiny_gpt2_dir) does not learn under LoRA
+    assert last > first + 0.4, (first, last)
+    assert all(torch.equal(p, frozen[name]) for name, p in trainer.policy.named_parameters() if not p.requires_grad)
+    assert stats[-1]["objective/kl"] > 0.1  # the adapters moved the policy away from its adapters-off reference
+
+
 def exact_kl(trainer: PPOTrainer) -> float:
     """Mean over fresh samples of the exact sequence KL(policy || reference), summed over response positions."""
     rollout = make_rollout(trainer, *batch(trainer, 64))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
+from rlhf.models.lora import adapters_on
 from rlhf.models.policy import lm_head, position_ids_from
 from rlhf.models.sampling import SamplingParams, sample_tokens
 from rlhf.models.static_decoder import StaticDecoder, compute_dtype, static_decoding_supports
@@ -155,9 +156,10 @@ def graphed_decoder(lm: PreTrainedModel, batch_size: int, length: int,
     if _CAPTURED["failed"]:
         return StaticDecoder(lm, batch_size, length, sampling)
     max_len = -(-length // SLOT_BUCKET) * SLOT_BUCKET
-    # the model itself (held here, so its id stays its own) and its weights' addresses: a model moved or reloaded
-    # into new tensors must not replay a graph that reads the old ones
-    key = (id(lm), batch_size, max_len, sampling, compute_dtype(lm), tuple(p.data_ptr() for p in lm.parameters()))
+    # the model itself (held here, so its id stays its own), its weights' addresses and which LoRA adapters are on: a
+    # model moved or reloaded into new tensors, or with its adapters switched, must not replay a graph of the old one
+    key = (id(lm), batch_size, max_len, sampling, compute_dtype(lm), tuple(p.data_ptr() for p in lm.parameters()),
+           adapters_on(lm))
     if _CAPTURED["key"] == key:
         return _CAPTURED["decoder"]
     _CAPTURED.update(key=None, decoder=None)

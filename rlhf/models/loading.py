@@ -27,6 +27,7 @@ from transformers import (
 )
 from transformers.activations import ACT2FN, NewGELUActivation
 
+from rlhf.models.lora import merge_adapters
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import atomic_path
 from rlhf.pipeline.params import Params
@@ -287,7 +288,9 @@ def context_size(lm: PreTrainedModel) -> int:
 def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path,
                     extra: Callable[[Path], None] | None = None) -> None:
     """``folder``, replaced in one rename: the model and its tokenizer, loadable by from_pretrained, and whatever
-    ``extra(tmp)`` writes beside them."""
+    ``extra(tmp)`` writes beside them. LoRA adapters are merged into the weights first, in ``model`` itself: saved
+    unmerged, their base layers' weights would be written under names from_pretrained does not know."""
+    merge_adapters(model)
     with atomic_path(folder) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -9,6 +9,7 @@ import torch
 from transformers import PretrainedConfig
 
 from rlhf.models.loading import context_size, load_config, load_sequence_classifier, load_tokenizer
+from rlhf.models.reward_functions import RewardFunction, load_functions
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import REWARD_DIR
@@ -126,8 +127,24 @@ def make_scorer(spec: str, params: Params, device: torch.device | str, what: str
                             max_tokens=max_tokens)
 
 
-def reward_model_path(params: Params) -> tuple[str, str]:
-    """(path or id, params key) of the training reward: models/reward when reward.train, else reward.model."""
+class RewardScorer:
+    """The training reward with reward functions: the reward model's score (none with reward.model null) plus each
+    function's scores times its weight."""
+
+    def __init__(self, model: Scorer | None, functions: list[RewardFunction]) -> None:
+        self.model, self.functions = model, functions
+        self.name = model.name if model is not None else REWARD
+
+    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+        total = self.model(queries, responses) if self.model is not None else torch.zeros(len(responses))
+        for function in self.functions:
+            total = total + function.weight * function(queries, responses)
+        return total
+
+
+def reward_model_path(params: Params) -> tuple[str | None, str]:
+    """(path or id, params key) of the training reward's model: models/reward when reward.train, else reward.model
+    (None: reward.model is null, the reward functions alone)."""
     if params.reward.train:
         if not (REWARD_DIR / "config.json").exists():
             raise ModelError(f"reward.train is true but {REWARD_DIR} holds no trained model (run the reward stage)")
@@ -135,6 +152,20 @@ def reward_model_path(params: Params) -> tuple[str, str]:
     return params.reward.model, "reward.model"
 
 
-def make_reward_scorer(params: Params, device: torch.device | str, max_tokens: int | None = None) -> Scorer:
+def describe_reward(params: Params) -> str:
+    """The training reward in a line of Markdown: '`models/reward` + 0.5 x `rewards.text:repetition_penalty`'."""
+    parts = [f"`{path}`"] if (path := reward_model_path(params)[0]) is not None else []
+    parts += [f"{spec.weight:g} x `{spec.function}`" for spec in params.reward.functions]
+    return " + ".join(parts)
+
+
+def make_reward_scorer(params: Params, device: torch.device | str, stage: str, probe: list[str],
+                       max_tokens: int | None = None) -> Scorer:
+    """The training reward of ``stage`` (ppo, sample_pairs, evaluate, optimum). Its reward functions load first and are
+    called once on ``probe`` (a few of the stage's prompts: rlhf/models/reward_functions.py), then the model's
+    config is checked before its weights load (it must hold ``max_tokens`` positions): a broken function or model
+    fails before anything else is done."""
+    functions = load_functions(params.reward.functions, stage, probe)
     path, what = reward_model_path(params)
-    return make_scorer(path, params, device, what, max_tokens)
+    model = make_scorer(path, params, device, what, max_tokens) if path is not None else None
+    return RewardScorer(model, functions) if functions else model

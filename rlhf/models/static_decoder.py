@@ -10,6 +10,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Model
 
+from rlhf.models.lora import adapter, base_layer
 from rlhf.models.policy import lm_head, position_ids_from
 from rlhf.models.sampling import SamplingParams, sample_tokens
 
@@ -30,23 +31,32 @@ def compute_dtype(lm: PreTrainedModel) -> torch.dtype:
 
 
 class Linear:
-    """A GPT-2 ``Conv1D`` (y = b + x W, W of shape (in, out)) with its weights in the compute dtype.
+    """A GPT-2 ``Conv1D`` (y = b + x W, W of shape (in, out)) with its weights in the compute dtype, plus its LoRA
+    adapter's scaling * (x A^T) B^T where the layer has one on (rlhf/models/lora.py).
 
     Cast once per decoder instead of by autocast at every step (autocast caches casts only of weights that require
-    grad: a frozen reference model paid one cast per weight per token). The same ``addmm`` as ``Conv1D`` on
-    the same rounded operands, so the outputs match Hugging Face's bit for bit.
+    grad: a frozen reference model paid one cast per weight per token). The same ``addmm`` as ``Conv1D``, and for an
+    adapter the same two ``linear`` calls as peft, on the same rounded operands, so the outputs match Hugging Face's
+    bit for bit.
     """
 
-    def __init__(self, conv: nn.Module, dtype: torch.dtype) -> None:
-        self.sources = (conv.weight, conv.bias)
-        self.weight, self.bias = (p.detach().to(dtype) for p in self.sources)
+    def __init__(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        conv, lora = base_layer(layer), adapter(layer)
+        self.sources = (conv.weight, conv.bias, *(lora[:2] if lora else ()))
+        self.scaling = lora[2] if lora else None
+        self.casts = [p.detach().to(dtype) for p in self.sources]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.bias, x, self.weight)
+        weight, bias, *lora = self.casts
+        y = torch.addmm(bias, x, weight)
+        if self.scaling is None:
+            return y
+        a, b = lora
+        return y + F.linear(F.linear(x, a), b) * self.scaling
 
     def refresh(self) -> None:
         """Copy the model's current weights into the casts (a no-op where no cast was needed)."""
-        for cast, source in zip((self.weight, self.bias), self.sources, strict=True):
+        for cast, source in zip(self.casts, self.sources, strict=True):
             if cast.data_ptr() != source.data_ptr():
                 cast.copy_(source)
 

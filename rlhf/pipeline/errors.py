@@ -31,6 +31,11 @@ class ModelError(PipelineError):
     """A model or tokenizer path/id cannot be loaded or does not fit the pipeline."""
 
 
+class RewardFunctionError(PipelineError):
+    """A reward function (reward.functions) cannot be imported, raises, or returns other than one finite float a
+    response."""
+
+
 class TrainingError(PipelineError):
     """A numerical fault during training (NaN/inf score, loss or gradient)."""
 

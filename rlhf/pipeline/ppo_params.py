@@ -116,6 +116,9 @@ class PpoParams(Section):
         return self
 
     def check_with(self, params: Any) -> None:
+        if params.model.lora.r and self.critic == "separate":
+            raise Rule("ppo.value_model", "must be 'shared' with model.lora.r > 0 (a separate critic would hold a "
+                                          "second full copy of the weights, what LoRA saves)", self.value_model)
         longest = params.prepare.prompt_max_tokens + self.response_max_tokens
         s = params.sft
         if s.enabled and s.base == "scratch" and longest > s.n_positions:

@@ -90,6 +90,21 @@ class DataParams(Section):
     """Hub dataset revision (branch, tag or commit) to pin; ignored for local sources."""
 
 
+class LoraParams(Section):
+    r: int = Field(ge=0)
+    """LoRA rank. 0: ppo, dpo and sft train every weight and ppo holds a frozen copy as reference. r > 0: they train
+    rank-r adapters only (peft), the reference is the same model with its adapters off (one copy of the weights),
+    checkpoints hold the adapters, and models/* are saved merged (from_pretrained loads them as usual). sft from
+    scratch trains every weight whatever r says: a random init has nothing to adapt."""
+    alpha: float = Field(gt=0)
+    """The adapters' update is scaled by alpha / r."""
+    dropout: float = Field(ge=0, lt=1)
+    """Dropout on the adapters' input; ppo (with ppo.disable_dropout) and dpo switch it off like every dropout."""
+    target_modules: list[str] | None = Field(min_length=1)
+    """Names (or name suffixes) of the linear projections to adapt, e.g. [c_attn]; null: every attention and MLP
+    projection (GPT-2: c_attn, c_proj, c_fc), all linear layers but the LM head."""
+
+
 class ModelParams(Section):
     policy: PathOrId
     """Initial policy and frozen reference (Hub id or local dir), used when sft.enabled is false."""
@@ -104,6 +119,7 @@ class ModelParams(Section):
     precision: Literal["auto", "fp32", "bf16"]
     """Training matmuls in bf16 (autocast; PPO's LM head stays fp32, TF32 on CUDA; losses and optimizer fp32) or fp32.
     auto: bf16 on CUDA and on CPUs with native bf16 matmuls (AMX / AVX-512 BF16), fp32 elsewhere."""
+    lora: LoraParams
 
 
 class PrepareParams(Section):
@@ -188,16 +204,38 @@ class SftParams(Schedule):
         return self
 
 
+def _module_callable(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+        raise Rule("", "must be 'module:callable' (e.g. rewards.text:repetition_penalty)", value)
+    return value
+
+
+class RewardFunctionParams(Section):
+    function: Annotated[str, AfterValidator(_module_callable)]
+    """'module:callable', called as f(queries, responses) with two lists of strings, returning one float per
+    response (a list, array or tensor); the module importable from the project root (rewards/text.py is
+    rewards.text) or an installed package."""
+    weight: float
+    """Its weight in the training reward."""
+
+
 class RewardParams(Schedule):
     train: bool
     """Train a preference reward model here; otherwise reward.model scores the responses."""
     base: PathOrId
     """Initialisation when training: 'sft' (models/sft), 'scratch' (the sft.* shape) or a Hub id / local dir."""
-    model: PathOrId
-    """Sentiment classifier whose positive logit is the reward when reward.train is false (Hub id or local dir)."""
+    model: PathOrId | None
+    """Sentiment classifier whose positive logit is the reward when reward.train is false (Hub id or local dir);
+    null: no model, the reward functions alone."""
     positive_label: str
     """Label name of the positive class in reward.model's (and the judges') config; a two-label model whose labels are
     unnamed (LABEL_0, LABEL_1) reads index 1."""
+    functions: list[RewardFunctionParams]
+    """Python reward functions, added to the model's score times their weights: the training reward of ppo, of
+    best-of-N and of sampled DPO pairs, evaluate's reward column and the optimum's pool. Each is called once on a few
+    prompts before a stage loads any model; one that cannot be imported, raises, returns the wrong count or a NaN stops
+    the stage naming it (a NaN always: ppo.nan_policy is for the models'). Its module file must be among the stage's
+    deps in dvc.yaml (rewards/ is) unless it comes from an installed package."""
     epochs: int = Field(gt=0)
     """Shuffled passes over the training pairs."""
     batch_size: int = Field(gt=0)
@@ -209,6 +247,13 @@ class RewardParams(Schedule):
     center_coef: float = Field(ge=0)
     """Weight of mean((r_chosen + r_rejected)^2) in the loss: keeps scores centred on 0, so 'score > 0' reads as
     'more positive than the average snippet' (Eisenstein et al. 2023; TRL's center_rewards_coefficient)."""
+
+    @model_validator(mode="after")
+    def _rules(self) -> RewardParams:
+        if not self.train and self.model is None and not self.functions:
+            raise Rule("model", "is null with reward.train false and no reward.functions: nothing would score the "
+                                "responses", self.model)
+        return self
 
     def check_with(self, params: Any) -> None:
         if self.train and self.base == "sft" and not params.sft.enabled:

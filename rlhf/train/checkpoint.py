@@ -10,7 +10,8 @@ either is removed with a log line, and the run resumes from its newest whole che
 run deletes its checkpoints once its outputs are in place (io.StagedOutputs).
 
 Layout of a checkpoint:
-    model.safetensors   every weight of the trained module (policy, and value head and critic where trained)
+    model.safetensors   the trained weights of the module (``trained_weights``: policy, and value head and critic
+                        where trained; under LoRA the adapters, not the frozen base, which is the run's input)
     optimizer.pt        the optimizer's state (torch.save; loaded with weights_only=True)
     state.json          step, fingerprint, the trainer's scalars, every RNG state (tensors as base64), the manifest
     files/<name>/       copies of the staged outputs written so far (rollout log chunks, curves), restored on resume
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_file
 
 from rlhf.models.loading import safetensors_problem
 from rlhf.pipeline.errors import PipelineError
@@ -46,7 +47,7 @@ WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 FILES_DIR = "files"
 MANIFEST = "manifest"  # state.json's {file: size} of everything saved before it
-CODE = ("stages/", "rlhf/")  # the dvc.yaml deps that are the project's code
+CODE = ("stages/", "rlhf/", "rewards")  # the dvc.yaml deps that are the project's code (with any .py file listed)
 ROOT = Path(__file__).resolve().parents[2]  # the project whose code runs
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq: an AdamW checkpoint holds each weight three times
 
@@ -93,8 +94,8 @@ def fingerprint(name: str, params: Params, paths: Iterable[Path | str], exclude:
     text = json.dumps(config, sort_keys=True, default=str)
     inputs = sorted({Path(p) for p in paths if Path(p).exists()})
     code = hashlib.sha256()  # the code dvc.yaml reruns the stage for, as it runs (this project's)
-    for dep in (ROOT / dep for dep in wired.deps if dep.startswith(CODE)):
-        for file in sorted(dep.rglob("*.py")) if dep.is_dir() else [dep]:
+    for dep in (ROOT / dep for dep in wired.deps if dep.startswith(CODE) or dep.endswith(".py")):
+        for file in [dep] if dep.is_file() else sorted(dep.rglob("*.py")):
             code.update(file.relative_to(ROOT).as_posix().encode() + file.read_bytes())
     return hashlib.sha256(f"{text}\n{hash_paths(inputs)}\n{code.hexdigest()}".encode()).hexdigest()[:16]
 
@@ -107,10 +108,15 @@ def weights_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def trained_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The weights a run trains, by name: those that require grad (GPT-2's LM head, tied to its embedding, once)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
 def checkpoint_bytes(model: torch.nn.Module) -> int:
-    """Size of one checkpoint: the weights plus AdamW's two moments of every trainable weight."""
-    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)  # moments are fp32
-    return weights_bytes(model) + ADAM_MOMENTS * trainable
+    """Size of one checkpoint: the trained weights plus their two AdamW moments (fp32)."""
+    trained = trained_weights(model).values()
+    return sum(p.numel() * (p.element_size() + ADAM_MOMENTS * 4) for p in trained)
 
 
 def check_room_for_checkpoints(folder: Path, needed: int, key: str, fingerprint: str) -> None:
@@ -134,7 +140,8 @@ def save(folder: Path, step: int, model: torch.nn.Module, optimizer_state: dict[
     final = folder / f"{CHECKPOINT_PREFIX}{step:06d}"
     with atomic_path(final) as tmp:
         tmp.mkdir()
-        save_model(model, str(tmp / WEIGHTS_FILE))  # handles tied weights (GPT-2's LM head is its embedding)
+        save_file({name: p.detach().contiguous() for name, p in trained_weights(model).items()},
+                  str(tmp / WEIGHTS_FILE))
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         for name, source in files.items():
             if source.exists():
@@ -212,7 +219,14 @@ def find(folder: Path, fingerprint: str, prune: bool = True, required: Iterable[
 
 
 def load_weights(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
-    load_model(model, str(checkpoint.path / WEIGHTS_FILE))
+    """The checkpoint's weights into ``model``'s trained weights (its frozen ones stay as they were loaded)."""
+    state, trained = load_file(checkpoint.path / WEIGHTS_FILE), trained_weights(model)
+    if state.keys() != trained.keys():
+        raise PipelineError(f"{checkpoint.path}: holds other weights than this run trains; delete "
+                            f"{checkpoint.path.parent} to start the run over")
+    with torch.no_grad():
+        for name, weight in trained.items():
+            weight.copy_(state[name])
 
 
 def load_optimizer_state(checkpoint: Checkpoint) -> dict[str, Any]:

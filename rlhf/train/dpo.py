@@ -287,7 +287,8 @@ def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSe
     plan = FitPlan(SECTION, total_steps(len(pairs), config), config.learning_rate,
                    config.warmup_steps, config.max_grad_norm, checkpoint_every=config.checkpoint_every,
                    fingerprint=fingerprint if checkpoints else None)
-    return fit(lm, lm.parameters(), loss, ShuffledBatches(len(pairs), config.batch_size, generator), plan,
+    trained = [p for p in lm.parameters() if p.requires_grad]  # every one but a LoRA model's frozen base
+    return fit(lm, trained, loss, ShuffledBatches(len(pairs), config.batch_size, generator), plan,
                None if after_step is None else lambda step: after_step(step, dict(batch_stats)))
 
 

@@ -34,8 +34,10 @@ def run_fingerprint(params: Params, processes: int) -> str:
     # nan_policy is left out: a run under "stop" has met no NaN before its last checkpoint, so after a NaN stop,
     # switching to "skip" resumes from that checkpoint instead of step 0
     initial = initial_policy(params)
-    return checkpoint.fingerprint("ppo", params, [TRAIN_PROMPTS, initial.path, initial.tokenizer,
-                                                  reward_model_path(params)[0]],
+    inputs = [TRAIN_PROMPTS, initial.path, initial.tokenizer]
+    if (reward := reward_model_path(params)[0]) is not None:  # none: the reward functions alone (code deps)
+        inputs.append(reward)
+    return checkpoint.fingerprint("ppo", params, inputs,
                                   exclude=("ppo.nan_policy",), extra={"processes": processes})
 
 

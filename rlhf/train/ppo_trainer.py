@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf.models.lora import adapters_disabled
 from rlhf.models.policy import PolicyWithValueHead
 from rlhf.models.precision import autocast
 from rlhf.models.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
@@ -61,7 +62,7 @@ class StepResult:
 @dataclass
 class PPOTrainer:
     policy: PolicyWithValueHead  # the trained module: checkpointed and saved
-    ref_policy: PreTrainedModel
+    ref_policy: PreTrainedModel | None  # None: the policy's LM with its LoRA adapters off (``reference``)
     tokenizer: PreTrainedTokenizerBase
     scorer: Scorer
     cfg: PpoParams
@@ -74,8 +75,8 @@ class PPOTrainer:
     def __post_init__(self) -> None:
         cfg = self.cfg
         # fused: one kernel over all parameters instead of a dozen passes per step
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.learning_rate,
-                                           weight_decay=cfg.weight_decay, fused=True)
+        trained = [p for p in self.policy.parameters() if p.requires_grad]  # every one but a LoRA run's base
+        self.optimizer = torch.optim.AdamW(trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
         # the update's forward and backward go through this one: DDP-wrapped by accelerate so that gradients are
         # averaged over processes, else the policy itself (sampling and saving use the unwrapped policy)
         self.wrapped_policy: torch.nn.Module = self.policy
@@ -85,7 +86,8 @@ class PPOTrainer:
                        else ppo.FixedKLController(cfg.init_kl_coef))
         self.score_moments = ppo.RunningMoments()
         self.sampling = SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature)
-        self.ref_policy.eval().requires_grad_(False)
+        if self.ref_policy is not None:
+            self.ref_policy.eval().requires_grad_(False)
 
     # --- the iteration ---------------------------------------------------------------------------------------------
 
@@ -154,7 +156,8 @@ class PPOTrainer:
         self.policy.eval()
         with self.autocast():
             out = forward(self.policy, samples, cfg.temperature, keep_logits=full)
-            ref = forward(self.ref_policy, samples, cfg.temperature, keep_logits=full)
+            with self.reference() as reference:
+                ref = forward(reference, samples, cfg.temperature, keep_logits=full)
         masks = samples.response_mask
         rewards, non_score_reward, kl = ppo.compute_rewards(scores, out.logprobs, ref.logprobs, masks,
                                                             self.kl_ctl.value, cfg.kl_penalty, out.logits, ref.logits)
@@ -245,6 +248,12 @@ class PPOTrainer:
                       else "set ppo.nan_policy: skip to skip such batches")
             raise TrainingError(f"step {step}: {quantity}: {what} ({bad} of {x.numel()} values); {advice}")
         return False
+
+    def reference(self) -> contextlib.AbstractContextManager[PreTrainedModel]:
+        """The frozen reference: ``ref_policy``, or the policy's LM with its adapters off inside the block."""
+        if self.ref_policy is not None:
+            return contextlib.nullcontext(self.ref_policy)
+        return adapters_disabled(self.policy.lm)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)

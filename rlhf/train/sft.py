@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.loading import context_size, fast_activations, load_causal_lm
+from rlhf.models.lora import add_lora
 from rlhf.models.precision import autocast
 from rlhf.pipeline.errors import DataError, ModelError
 from rlhf.pipeline.params import Params
@@ -20,16 +22,21 @@ from rlhf.train import checkpoint
 from rlhf.train.batches import RandomBatches
 from rlhf.train.fit import FitPlan, FitResult, fit
 
+log = logging.getLogger(__name__)
+
 
 def build_model(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """A from-scratch GPT-2 of the sft.* shape, or the sft.base checkpoint to fine-tune."""
-    s = params.sft
-    if s.base != "scratch":
-        lm = load_causal_lm(s.base, params.model, what="sft.base")
-        if s.block_size > context_size(lm):
-            raise ModelError(f"sft.block_size: {s.block_size} exceeds sft.base's {context_size(lm)} positions")
-        return lm
-    return scratch_model(s, len(tokenizer), tokenizer.eos_token_id)
+    """A from-scratch GPT-2 of the sft.* shape, or the sft.base checkpoint to fine-tune, with LoRA adapters where
+    model.lora.r > 0 (a from-scratch model trains every weight: a random init has nothing to adapt)."""
+    s, lora = params.sft, params.model.lora
+    if s.base == "scratch":
+        if lora.r:
+            log.info("sft: sft.base is scratch, so every weight trains (model.lora.r adapts pretrained models)")
+        return scratch_model(s, len(tokenizer), tokenizer.eos_token_id)
+    lm = load_causal_lm(s.base, params.model, what="sft.base")
+    if s.block_size > context_size(lm):
+        raise ModelError(f"sft.block_size: {s.block_size} exceeds sft.base's {context_size(lm)} positions")
+    return add_lora(lm, lora) if lora.r else lm
 
 
 def scratch_model(s: SftParams, vocab_size: int, eos_token_id: int, head: type[PreTrainedModel] = GPT2LMHeadModel,
@@ -111,8 +118,9 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
     rerun after a kill resumes to the same result (rlhf/train/fit.py).
     """
     s = params.sft
-    decay = [p for p in lm.parameters() if p.dim() >= 2]
-    no_decay = [p for p in lm.parameters() if p.dim() < 2]
+    trained = [p for p in lm.parameters() if p.requires_grad]  # every one but a LoRA model's frozen base
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def loss(idx: torch.Tensor) -> torch.Tensor:
