@@ -279,6 +279,10 @@ def test_unreadable_params_file(tmp_path: Path) -> None:
     (tmp_path / "params.yaml").write_text("ppo: [unclosed\n")
     with pytest.raises(ParamsError, match="params.yaml: not valid YAML"):
         load_params(path=tmp_path / "params.yaml")
+    # a latin-1 byte in a comment (an editor's encoding) was UnicodeDecodeError's traceback (issue 33)
+    (tmp_path / "params.yaml").write_bytes((ROOT / "params.yaml").read_bytes().replace(b"# ", b"# caf\xe9 ", 1))
+    with pytest.raises(ParamsError, match=r"params.yaml: not UTF-8 text \(byte 5: b'\\xe9'\)$"):
+        load_params(path=tmp_path / "params.yaml")
     (tmp_path / "params.yaml").unlink()
     (tmp_path / "params.yaml").mkdir()  # was IsADirectoryError's traceback
     with pytest.raises(ParamsError, match=r"params.yaml: cannot be read \(Is a directory\)$"):
