@@ -6,6 +6,7 @@ so what is tested is our handler, not a mock of it.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,9 +16,10 @@ import torch
 from conftest import build_tiny_gpt2, set_params
 from helpers import TokenShareScorer, batch, make_trainer, run
 
+from rlhf.data.prompts import read_prompts
 from rlhf.models.scorers import ClassifierScorer
 from rlhf.pipeline.cli import one_line
-from rlhf.pipeline.errors import ModelError
+from rlhf.pipeline.errors import DataError, ModelError
 from rlhf.pipeline.params import defaults
 from stages import ppo as ppo_stage
 
@@ -82,6 +84,20 @@ def test_an_unreadable_prompts_file_is_named(ppo_project: Path) -> None:
     assert result.stderr.strip().splitlines()[-1].startswith(
         "error: data/prompts/train.parquet: unreadable (Could not open Parquet input source")
     assert result.stderr.strip().splitlines()[-1].endswith("): rerun the prepare stage")
+
+
+@pytest.mark.parametrize(("query", "ids", "problem"), [
+    (["a", "b"], pa.array([[5], None], pa.list_(pa.int32())), "row 1: a query or token id is missing"),
+    (["a", None], pa.array([[5], [6]], pa.list_(pa.int32())), "row 1: a query or token id is missing"),
+    (["a", "b"], pa.array([[5], [6, None]], pa.list_(pa.int32())), "row 1: a query or token id is missing"),
+    (["a", "b"], pa.array(["[5]", "[6]"]), "input_ids is string and query string, not lists of token ids"),
+], ids=["ids-null", "query-null", "a-token-null", "ids-as-text"])
+def test_a_prompts_file_with_missing_or_mistyped_values_is_named(query: list, ids: pa.Array, problem: str,
+                                                                 tmp_path: Path) -> None:
+    """A null or mistyped value was a traceback: at the start, or mid-run when its batch came (a null query)."""
+    pq.write_table(pa.table({"query": query, "input_ids": ids}), tmp_path / "train.parquet")
+    with pytest.raises(DataError, match=rf"^{tmp_path}/train.parquet: {re.escape(problem)}.*: rerun the prepare"):
+        read_prompts(tmp_path / "train.parquet")
 
 
 def test_prompts_longer_than_the_context_are_refused(ppo_project: Path, tokenizer_dir: Path, tmp_path: Path) -> None:

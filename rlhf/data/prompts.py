@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -43,7 +44,16 @@ def read_prompts(path: Path) -> Prompts:
             raise DataError(f"{path}: missing column {column!r} (columns: {', '.join(table.column_names)})")
     if table.num_rows == 0:
         raise DataError(f"{path}: no prompts")
-    return Prompts(table["input_ids"].to_pylist(), table["query"].to_pylist())
+    ids, queries = table["input_ids"], table["query"]
+    if not (pa.types.is_list(ids.type) and pa.types.is_integer(ids.type.value_type)) \
+            or not pa.types.is_string(queries.type):
+        raise DataError(f"{path}: input_ids is {ids.type} and query {queries.type}, not lists of token ids and "
+                        "texts: rerun the prepare stage")
+    prompts = Prompts(ids.to_pylist(), queries.to_pylist())
+    for row, (token_ids, query) in enumerate(zip(prompts.input_ids, prompts.queries, strict=True)):
+        if query is None or token_ids is None or None in token_ids:  # would fail mid-run, when its batch comes
+            raise DataError(f"{path}: row {row}: a query or token id is missing (null): rerun the prepare stage")
+    return prompts
 
 
 def check_prompts(path: Path, prompts: Prompts, tokenizer: PreTrainedTokenizerBase, lm: PreTrainedModel,
