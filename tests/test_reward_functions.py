@@ -73,6 +73,10 @@ BROKEN = {
             r"\(rewards\.broken:f\) returned nan for response 0 \(''\); 1 of 4 not finite$"),
     "type": ("def f(q, r):\n    return 'high'\n", "f", r"\(rewards\.broken:f\) returned a str, not one float per "
                                                         r"response$"),
+    # SystemExit is no Exception: the stage exited 0 with nothing written, or 2 with the module's own usage line
+    "exits": ("import sys\ndef f(q, r):\n    sys.exit(0)\n", "f", r"\(rewards\.broken:f\) raised SystemExit: 0 "),
+    "exits-on-import": ("import argparse\nargparse.ArgumentParser().parse_args(['--x'])\n", "f",
+                        r"cannot import rewards\.broken for rewards\.broken:f \(SystemExit: 2\)$"),
 }
 
 

@@ -37,7 +37,7 @@ class RewardFunction:
         where = f"{self.key} ({self.spec})"
         try:
             out = self.fn(list(queries), list(responses))
-        except Exception as e:  # the user's code: whatever it raises is named in one line
+        except (Exception, SystemExit) as e:  # the user's code: whatever it raises (sys.exit too) is named
             frame = traceback.extract_tb(e.__traceback__)[-1]
             raise RewardFunctionError(f"{where} raised {type(e).__name__}: {e} ({frame.filename}:{frame.lineno})") \
                 from None
@@ -63,7 +63,7 @@ def load_function(spec: RewardFunctionParams, key: str, root: Path) -> RewardFun
         sys.path.insert(0, str(root))
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:  # importing runs the user's module: whatever it raises is named in one line
+    except (Exception, SystemExit) as e:  # importing runs the user's module (argparse at import exits)
         raise RewardFunctionError(f"{key}: cannot import {module_name} for {spec.function} ({type(e).__name__}: "
                                   f"{e})") from None
     fn = getattr(module, attr, None)
