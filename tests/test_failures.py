@@ -31,7 +31,7 @@ from conftest import build_tiny_classifier, set_params, write_prompts
 from helpers import leftovers, run, run_cli, snapshot, training_project
 from safetensors.torch import load_file, save_file
 
-from rlhf.models.loading import load_causal_lm
+from rlhf.models.loading import load_causal_lm, load_sequence_classifier
 from rlhf.models.scorers import ClassifierScorer
 from rlhf.pipeline.errors import ModelError, PipelineError, TrainingError
 from rlhf.pipeline.io import StagedOutputs, atomic_path, write_text
@@ -129,6 +129,16 @@ def test_a_model_whose_weights_do_not_cover_it_or_made_for_another_task_is_refus
     with pytest.raises(ModelError, match=rf"^model.policy: {re.escape(str(tiny_classifier_dir))}: a "
                                          r"GPT2ForSequenceClassification, not a causal LM$"):
         load_causal_lm(str(tiny_classifier_dir), defaults().model)
+
+
+def test_a_half_precision_checkpoint_loads_in_fp32(tiny_gpt2_dir: Path, tiny_classifier_dir: Path,
+                                                   tmp_path: Path) -> None:
+    """A policy saved in fp16 loaded in fp16 (transformers' dtype "auto") beside the fp32 value head: ppo failed in
+    its first update with "mixed dtype"; a classifier so saved scored in fp16."""
+    for source, load in ((tiny_gpt2_dir, load_causal_lm), (tiny_classifier_dir, load_sequence_classifier)):
+        half = tmp_path / source.name
+        load(str(source), defaults().model).half().save_pretrained(half)
+        assert {p.dtype for p in load(str(half), defaults().model).parameters()} == {torch.float32}
 
 
 def test_a_many_output_reward_base_fails_naming_it_before_anything_changes(

@@ -181,7 +181,10 @@ OTHER_TASKS = ("ForSequenceClassification", "ForTokenClassification", "ForQuesti
 def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, new_head: bool = False,
                      **kwargs: Any) -> PreTrainedModel:
     """``auto_cls.from_pretrained``, every weight of the model from the checkpoint: transformers would start the ones
-    it lacks at random, with a warning; only a ``new_head`` (a reward model's score head on a base) may be new."""
+    it lacks at random, with a warning; only a ``new_head`` (a reward model's score head on a base) may be new.
+    Weights load in fp32 whatever dtype they were saved in (unless ``dtype`` says otherwise): training keeps fp32
+    weights (bf16 only under autocast), and a half-precision policy beside its fp32 value head failed mid-step."""
+    kwargs.setdefault("dtype", torch.float32)
     check_local_dir(name, what)
     check_weights_format(name, what, model.allow_pickle)
     check_safetensors(name, what)
@@ -210,7 +213,7 @@ def load_config(name: str, model: ModelParams, what: str) -> PretrainedConfig:
 
 
 def load_causal_lm(name: str, model: ModelParams, what: str = "model.policy",
-                   dtype: torch.dtype | None = None) -> PreTrainedModel:
+                   dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a causal LM (policy, reference, SFT base); a model saved for another task (a classifier, whose backbone
     loads into an LM head without a word) is refused."""
     lm = _from_pretrained(AutoModelForCausalLM, name, model, what, dtype=dtype)
