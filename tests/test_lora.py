@@ -87,6 +87,16 @@ def test_a_target_that_is_not_a_projection_fails_naming_the_key(tiny_gpt2_dir: P
         add_lora(tiny(tiny_gpt2_dir), lora(target_modules=targets))
 
 
+@pytest.mark.parametrize("r", [33, 10**9])
+def test_a_rank_above_a_targeted_layers_is_refused(tiny_gpt2_dir: Path, r: int) -> None:
+    """A rank-r adapter of a 32-wide layer can add no more than rank 32; r = 10**9 was a traceback from allocating
+    its 128 GB."""
+    with pytest.raises(ModelError, match=rf"^model\.lora\.r: {r} is above the rank of transformer\.h\.0\.attn\."
+                                         r"c_attn \(32 x 96: at most 32\)$"):
+        add_lora(tiny(tiny_gpt2_dir), lora(r=r))
+    assert lora_layers(add_lora(tiny(tiny_gpt2_dir), lora(r=32)))
+
+
 @pytest.mark.slow
 def test_sft_with_lora_trains_the_adapters_of_its_base_and_a_killed_run_resumes_to_the_same_model(
         tmp_path: Path, imdb_dir: Path, adaptable_gpt2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

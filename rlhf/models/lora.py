@@ -28,6 +28,7 @@ def add_lora(lm: PreTrainedModel, lora: LoraParams) -> PreTrainedModel:
     the adapted model equals ``lm`` exactly until the first update."""
     from peft import LoraConfig, inject_adapter_in_model
 
+    check_rank(lm, lora)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=lora.target_modules or "all-linear",
                         # GPT-2's Conv1D stores its weight as (in, out), transposed from nn.Linear's
@@ -43,6 +44,21 @@ def add_lora(lm: PreTrainedModel, lora: LoraParams) -> PreTrainedModel:
             raise ModelError(f"model.lora.target_modules: {name} ({type(base).__name__}) is not an attention or MLP "
                              "projection, the layers LoRA adapts here (null: all of them)")
     return lm
+
+
+def check_rank(lm: PreTrainedModel, lora: LoraParams) -> None:
+    """A rank-r adapter of a layer holds r x (in + out) weights whose product has rank at most min(in, out): an r
+    above that only wastes memory, and a huge one failed allocating them. The layers are those peft would adapt (a
+    name or name suffix of ``lora.target_modules``; null: every projection but the LM head)."""
+    head, targets = lm.get_output_embeddings(), lora.target_modules
+    layers = [(name, module) for name, module in lm.named_modules()
+              if isinstance(module, nn.Linear | Conv1D) and module is not head
+              and (targets is None or any(name == t or name.endswith(f".{t}") for t in targets))]
+    if layers:
+        name, smallest = min(layers, key=lambda item: min(item[1].weight.shape))
+        if lora.r > (rank := min(smallest.weight.shape)):
+            shape = " x ".join(map(str, smallest.weight.shape))
+            raise ModelError(f"model.lora.r: {lora.r} is above the rank of {name} ({shape}: at most {rank})")
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
