@@ -35,7 +35,6 @@ if sys.argv[:1] == ["-m"]:
     if _args[0].startswith("stages."):
         from rlhf.pipeline.under_dvc import hold_workspace
 
-        if _busy := hold_workspace(f"python -m {_args[0]}"):
-            print(f"error: this workspace is busy: {_busy} (DVC's experiments lock: wait for that command); nothing "
-                  "was run", file=sys.stderr)
+        if _refused := hold_workspace(f"python -m {_args[0]}"):
+            print(f"error: {_refused}; nothing was run", file=sys.stderr)
             raise SystemExit(1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import dvc, set_params
+from helpers import run_cli
 
 CHECKPOINTS = Path("data/checkpoints/ppo")
 
@@ -90,3 +92,12 @@ def test_a_stage_whose_dvc_was_killed_stops_at_its_next_checkpoint_and_the_rerun
     assert kept and f"checkpoint {CHECKPOINTS / kept[-1]} kept" in stopped[0]
     rerun = dvc(long_ppo, "repro", "-s", "ppo")
     assert f"resuming after step {int(kept[-1].removeprefix('step-'))}" in rerun.stderr + rerun.stdout
+
+
+def test_a_stage_that_cannot_take_dvcs_lock_is_one_line(project: Path) -> None:
+    """A read-only project, or a .dvc/tmp the user cannot write (here a file), was a traceback from taking the lock."""
+    shutil.rmtree(project / ".dvc/tmp", ignore_errors=True)
+    (project / ".dvc/tmp").write_text("")
+    result = run_cli(project, "evaluate")
+    assert (result.returncode, result.stderr) == (1, "error: .dvc/tmp/exps: cannot take DVC's experiments lock there "
+                                                     "(Not a directory); nothing was run\n")

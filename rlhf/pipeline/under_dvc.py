@@ -29,8 +29,8 @@ EXPERIMENTS_LOCK = Path(".dvc/tmp/exps")  # where DVC keeps its experiment comma
 def hold_workspace(command: str) -> str | None:
     """In a DVC project (./.dvc), take DVC's experiments lock on the workspace for this process's life (released at
     exit; a killed holder's entry is dropped by DVC, which checks that its pid lives). Returns why it could not be
-    taken (another DVC command is changing the workspace), else None. Only the first process of a multi-process run
-    takes it."""
+    taken (another DVC command is changing the workspace, or .dvc/tmp cannot be written), else None. Only the first
+    process of a multi-process run takes it."""
     if not Path(".dvc").is_dir() or os.environ.get("RANK", "0") != "0":
         return None
     try:
@@ -39,12 +39,15 @@ def hold_workspace(command: str) -> str | None:
         from dvc.rwlock import rwlock
     except ImportError:  # DVC is a dependency; without it nothing can start a DVC command either
         return None
-    EXPERIMENTS_LOCK.mkdir(parents=True, exist_ok=True)
     stack = contextlib.ExitStack()
     try:
+        EXPERIMENTS_LOCK.mkdir(parents=True, exist_ok=True)
         stack.enter_context(rwlock(str(EXPERIMENTS_LOCK), localfs, command, [], ["workspace"], False))
     except LockError as e:
-        return str(e).splitlines()[0] + " " + " ".join(line.strip() for line in str(e).splitlines()[1:2])
+        busy = str(e).splitlines()[0] + " " + " ".join(line.strip() for line in str(e).splitlines()[1:2])
+        return f"this workspace is busy: {busy} (DVC's experiments lock: wait for that command)"
+    except OSError as e:  # a read-only project, an immutable or foreign-owned .dvc/tmp
+        return f"{EXPERIMENTS_LOCK}: cannot take DVC's experiments lock there ({e.strerror})"
     atexit.register(stack.close)
     return None
 
