@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -79,6 +80,20 @@ def test_a_stage_refuses_an_argument_it_would_ignore(ppo_dir: Path) -> None:
     assert result.stderr.strip() == ("error: python -m stages.ppo takes no arguments but -h (got --steps 10): set "
                                      "params in params.yaml or with dvc exp run -S key=value")
     assert snapshot(ppo_dir, "ppo") == before
+
+
+def test_a_stage_run_as_a_file_is_refused(ppo_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture) -> None:
+    """``python stages/ppo.py --steps 10`` ran a whole training that ignored its argument, without the start-up the
+    stages package gives ``-m`` (DVC's workspace lock, the stop signals while importing)."""
+    monkeypatch.chdir(ppo_dir)
+    monkeypatch.setattr(sys, "argv", ["stages/ppo.py", "--steps", "10"])
+    before = snapshot(ppo_dir, "ppo")
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path("stages/ppo.py", run_name="__main__")
+    assert exited.value.code == 2 and snapshot(ppo_dir, "ppo") == before
+    assert capsys.readouterr().err == ("error: run a stage as python -m stages.ppo from the project root (dvc.yaml's "
+                                       "command), not as a file\n")
 
 
 def preset_project(tmp_path: Path) -> Path:

@@ -83,9 +83,13 @@ def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> Non
     out-of-memory (``out_of_memory``: what to lower) is ``error: <message>`` and exit status 1; Ctrl-C (or another of
     STOP_SIGNALS) one ``interrupted`` (``stopped by SIGTERM``) line and exit status 130 (128 + the signal). A stage
     takes no argument (``-h`` is answered before it loads: stages/__init__.py): any other is refused (exit status 2),
-    not ignored."""
+    not ignored; so is a stage run as a file, without the start-up stages/__init__.py gives ``python -m``."""
     module = sys.modules[main.__module__]
     name = module.__spec__.name if module.__spec__ else module.__name__
+    if name == "__main__" and Path(module.__file__).parent.name == "stages":  # python stages/ppo.py
+        print(f"error: run a stage as python -m stages.{Path(module.__file__).stem} from the project root (dvc.yaml's "
+              "command), not as a file", file=sys.stderr)
+        raise SystemExit(2)
     stage = name.removeprefix("stages.") if name.startswith("stages.") else None
     if stage is not None and sys.argv[1:]:
         print(f"error: python -m stages.{stage} takes no arguments but -h (got {' '.join(sys.argv[1:])}): set "
