@@ -40,6 +40,7 @@ def test_flatten_and_overlay() -> None:
     "data/raw/imdb", "lvwerra/distilbert-imdb", "./x", "../x", "/abs/path", "POSITIVE",
     "1", "1e5", ".5", "null", "True", "inf", "NaN", "", "a b", "x,y", "it's", "a\\b", "a\\", "a\\'b", "~/x", "-x",
     ["train", "unsupervised"], [], ["a b", "1"],
+    [{"function": "rewards.text:length_bonus", "weight": 0.5}],  # reward.functions: a traceback (issue 33)
 ])
 def test_override_values_parse_back_as_dvc_parses_them(value: object) -> None:
     # DVC hands each -S to Hydra's override parser; what it returns is what DVC writes into params.yaml

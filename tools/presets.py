@@ -49,10 +49,10 @@ PLAIN_STRING = re.compile(r"(?:[A-Za-z_]|\.{0,2}/)[A-Za-z0-9_./-]*")
 HYDRA_KEYWORDS = {"true", "false", "null", "inf", "nan"}
 
 
-def as_override(value: None | bool | int | float | str | list) -> str:
+def as_override(value: None | bool | int | float | str | list | dict) -> str:
     """A validated params value spelled so that ``dvc exp run -S key=<it>`` writes back the same value and type.
 
-    DVC parses ``-S`` with Hydra's override grammar (not YAML): null, true, 1e-05, [train,unsupervised], and a string
+    DVC parses ``-S`` with Hydra's override grammar (not YAML): null, true, 1e-05, [a,b], {key:value}, and a string
     that would read as something else (``'1'``, ``'null'``, ``'a b'``) in single quotes.
     """
     if value is None:
@@ -63,6 +63,8 @@ def as_override(value: None | bool | int | float | str | list) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ",".join(map(as_override, value)) + "]"
+    if isinstance(value, dict):  # reward.functions' entries; their keys are params keys, plain names
+        return "{" + ",".join(f"{key}:{as_override(item)}" for key, item in value.items()) + "}"
     if PLAIN_STRING.fullmatch(value) and value.lower() not in HYDRA_KEYWORDS:
         return value
     # Hydra's quoted strings: \' is a quote; backslashes are literal except before a quote or the closing quote
