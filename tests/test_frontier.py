@@ -30,7 +30,7 @@ from rlhf.eval.frontier import (
     same,
     write_frontier,
 )
-from tools.frontier import DEFAULT_KL_COEFS
+from tools.frontier import DEFAULT_KL_COEFS, arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRESS = re.compile(r"^\[\d+/\d+\] (\S+): (ran in \d+ s|skipped .*)$", re.M)
@@ -237,6 +237,13 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path: Path) -> None:
     result = run_frontier(tmp_path, "tiny", "--series", "dpo", "--set", "dpo.pairs=sampled", "--beta", "0.1")
     assert result.returncode == 1 and result.stderr.startswith("error: --series: 'dpo' is the name of a method's")
     assert "'ppo' is the name" in run_frontier(tmp_path, "tiny", "--series", "ppo", "--kl-coef", "0.1").stderr
+
+
+def test_an_empty_list_of_values_is_refused(capsys: pytest.CaptureFixture) -> None:
+    """``--kl-coef ''`` (a shell variable left empty) swept nothing and exited 0."""
+    with pytest.raises(SystemExit) as exited:
+        arguments().parse_args(["--kl-coef", ""])
+    assert exited.value.code == 2 and "argument --kl-coef: '': no value" in capsys.readouterr().err
 
 
 def test_a_dry_run_of_a_shipped_preset_prints_the_default_grid_and_copies_nothing(

@@ -218,6 +218,8 @@ def number_list(cast: Callable[[str], float], minimum: int) -> Callable[[str], l
     the flag when a value is not a number of that kind."""
     def parse(text: str) -> list:
         values = [cast(part) for part in text.split(",") if part.strip()]
+        if not values:  # an empty shell variable swept nothing and exited 0
+            raise argparse.ArgumentTypeError(f"{text!r}: no value")
         if any(value < minimum for value in values):
             raise argparse.ArgumentTypeError(f"{text!r}: values must be >= {minimum}")
         return list(dict.fromkeys(values))
