@@ -121,6 +121,12 @@ def test_a_bad_preset_copies_no_input(tmp_path: Path, imdb_dir: Path) -> None:
     assert result.returncode == 1
     assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be >= 2 (got -1)"
     assert not (tmp_path / "data").exists()
+    # nor does an argument dvc exp run would refuse (it failed only once the inputs were copied)
+    (tmp_path / "presets" / "broken.yaml").write_text("data:\n  source: data/raw/imdb\n")
+    result = run_recipe(tmp_path, "broken", "--imdb", str(imdb_dir), "--bogus")
+    assert (result.returncode, result.stderr) == (1, "error: --bogus: not arguments of dvc exp run (dvc exp run "
+                                                     "--help lists them)\n")
+    assert not (tmp_path / "data").exists()
 
 
 def test_a_local_input_given_is_copied_or_refused_never_ignored(tmp_path: Path, imdb_dir: Path,

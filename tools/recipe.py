@@ -11,10 +11,14 @@ nothing. The result is an ordinary experiment: ``dvc exp show`` and ``dvc metric
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import logging
 import shlex
 import sys
 
 from rlhf.pipeline.cli import run_stage
+from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.params import PARAMS_FILE, read_yaml
 from tools.presets import (
     add_input_flags,
@@ -42,6 +46,7 @@ def main() -> None:
     changes = flatten(load_preset(args.preset)) | parse_sets(args.set_param, "-S")
     copies = local_inputs(changes, {"imdb": args.imdb, "tokenizer": args.tokenizer})
     validate(read_yaml(PARAMS_FILE), changes, copies)
+    check_dvc_arguments(dvc_args)
     copy_inputs(copies, args.dry_run)
 
     command = ["dvc", "exp", "run", *dvc_args]
@@ -50,6 +55,22 @@ def main() -> None:
     print(shlex.join(command), flush=True)
     if not args.dry_run:
         sys.exit(run_dvc(command).returncode)
+
+
+def check_dvc_arguments(dvc_args: list[str]) -> None:
+    """The arguments passed on to ``dvc exp run``, checked by DVC's own parser before anything is copied: an unknown
+    one failed only once the inputs had been copied."""
+    from dvc.cli import DvcParserError, parse_args
+
+    logging.disable(logging.ERROR)  # DVC's parser logs its reason and prints its whole usage
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            parse_args(["exp", "run", *dvc_args])
+    except DvcParserError:
+        raise ParamsError(f"{shlex.join(dvc_args)}: not arguments of dvc exp run (dvc exp run --help lists "
+                          "them)") from None
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 if __name__ == "__main__":
