@@ -10,7 +10,7 @@ counted on its call too, so a kill can land between two renames. Without ``--at`
 ``--count FILE`` writes the number of matching calls seen to FILE at exit, so a test can draw a point among them.
 Faults: ``error`` (a RuntimeError, i.e. a bug), ``interrupt`` (Ctrl-C), ``disk-full`` (OSError ENOSPC), ``oom``
 (torch.OutOfMemoryError), ``kill`` (SIGKILL: a lost machine, exactly there), ``sigterm``, ``sighup`` (the signal, sent
-to the process itself there).
+to the process itself there; one the stage ignores there lets it go on).
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from types import CodeType, FrameType
 SIGNALS = {"kill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}
 
 
-def fault(kind: str) -> BaseException:
+def fault(kind: str) -> BaseException | None:
     if kind in SIGNALS:
         os.kill(os.getpid(), SIGNALS[kind])  # a handled signal raises here, through the stage's handler
+        if signal.getsignal(SIGNALS[kind]) == signal.SIG_IGN:
+            return None  # the stage ignores it there: it goes on
         return RuntimeError(f"{kind}: the signal did not stop the stage")
     if kind == "oom":
         import torch
@@ -81,7 +83,8 @@ def main() -> None:
         if calls == args.at:
             sys.setprofile(None)
             print(f"fault: {args.kind} at call {calls}: {label}", file=sys.stderr, flush=True)
-            raise fault(args.kind)
+            if (error := fault(args.kind)) is not None:
+                raise error
 
     if args.count is not None:
         atexit.register(lambda: args.count.write_text(f"{calls}\n"))

@@ -468,6 +468,21 @@ def test_params_changed_while_a_stage_runs_keep_its_outputs_from_being_replaced(
     assert list((project / "data/checkpoints/ppo").glob("step-*"))
 
 
+@pytest.mark.slow
+def test_a_stop_signal_once_the_outputs_go_in_lets_the_run_finish(stage_project: Callable[[str], Path],
+                                                                  tmp_path: Path) -> None:
+    """SIGTERM while a finished ppo removes its checkpoint (its outputs moved in) exited 143 saying nothing was
+    written, the new outputs in place and the journal left: DVC recorded nothing and its rerun started over."""
+    project = stage_project("ppo")
+    old = plant_outputs(project, "ppo")
+    unlinks = count_calls(project, "ppo", r"^c:posix\.unlink$", tmp_path)
+    result = run_with_fault(project, "ppo", "--where", r"^c:posix\.unlink$", "--at", str(unlinks - 1),
+                            "--kind", "sigterm")
+    assert result.returncode == 0 and "ppo: done in" in result.stderr, result.stderr
+    assert set(states(project, "ppo", old).values()) == {"new"} and leftovers(project, "ppo") == []
+    assert sorted(p.name for p in (project / "data/checkpoints").iterdir()) == [".ppo.lock"]
+
+
 @pytest.mark.parametrize("how", ["a file", "immutable"])
 def test_a_checkpoints_folder_that_cannot_hold_the_lock_is_one_line(how: str, stage_project: Callable[[str], Path],
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

@@ -176,6 +176,18 @@ def test_a_closed_terminal_or_a_schedulers_signal_keeps_the_checkpoint(signum: i
         shutil.rmtree(ppo_dir / PPO_CHECKPOINTS, ignore_errors=True)
 
 
+def test_a_stop_after_a_stage_is_done_leaves_it_done(ppo_dir: Path) -> None:
+    """A stage's exit takes seconds once torch is loaded, and Python puts the default handlers back for it: a SIGTERM
+    after its last line killed a finished stage (status -15), so DVC recorded nothing."""
+    process = start(ppo_dir, sys.executable, "-m", "stages.dpo")  # method ppo: dpo writes its markers at once
+    for line in process.stderr:
+        if line.startswith("dpo: done in"):
+            process.send_signal(signal.SIGTERM)
+            break
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
+
+
 def test_sigterm_keeps_the_checkpoint_a_second_run_is_refused_and_ctrl_c_repeated_is_one_line(ppo_dir: Path) -> None:
     before = snapshot(ppo_dir, "ppo")
     set_params(ppo_dir, **{"ppo.steps": 5000})  # never finishes: every process here is stopped

@@ -70,6 +70,16 @@ def stop_signals(handler: Callable[[int, object], None] | int) -> None:
 
 
 STOP_SIGNAL = [signal.SIGINT]  # the signal that stopped the run, for the message and the exit status
+PROGRAM = [False]  # run_stage runs the program (python -m stages.X, a tool), not a test calling a main
+
+
+def finishing() -> None:
+    """A program ignores stop signals once its outputs start going in (io.StagedOutputs.commit) and once its main is
+    over: a stop then reported a finished run as failed (DVC recorded nothing and the rerun started over, its
+    checkpoints gone), and during the interpreter's exit (seconds with torch loaded) it killed the finished process
+    outright, Python having put the default handlers back."""
+    if PROGRAM[0]:
+        stop_signals(signal.SIG_IGN)
 
 
 def raise_interrupt(signum: int, frame: object) -> None:
@@ -95,11 +105,13 @@ def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> Non
         print(f"error: python -m stages.{stage} takes no arguments but -h (got {' '.join(sys.argv[1:])}): set "
               "params in params.yaml or with dvc exp run -S key=value", file=sys.stderr)
         raise SystemExit(2)
+    PROGRAM[0] = module.__name__ == "__main__"
     stop_signals(raise_interrupt)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.perf_counter()
     try:
         main()
+        finishing()
         if stage is not None:
             logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - start)
     except KeyboardInterrupt as e:
@@ -115,6 +127,8 @@ def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> Non
             raise
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        finishing()
 
 
 def print_help_and_exit(stage: str, root: Path) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf.pipeline.cli import finishing
 from rlhf.pipeline.errors import DiskFull, PipelineError, is_disk_full
 from rlhf.pipeline.params import changed_since_read
 from rlhf.pipeline.paths import CHECKPOINTS_DIR, checkpoint_dir, output_path, staging_path
@@ -273,6 +274,7 @@ class StagedOutputs:
         """Unless params.yaml changed under the stage (``params.changed_since_read``: a second ``dvc exp run`` in the
         workspace rewrites it), replace the previous outputs by the staged ones, each of which must have been written
         (``move_in``), then ``finish``; on a failure before the end, put every previous output back."""
+        finishing()  # a stop from here on would report a finished run as failed
         if self.stage is not None and (change := changed_since_read(self.stage)):
             raise PipelineError(f"params.yaml changed while {self.stage} ran ({change}): its outputs were not "
                                 "replaced, as DVC would record them with the new values (another dvc exp run in "
