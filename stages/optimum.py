@@ -53,6 +53,8 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     if params.optimum.prompts is not None and params.optimum.prompts > len(prompts):  # not capped without a word
         raise DataError(f"optimum.prompts: {params.optimum.prompts} prompts asked, but {EVAL_PROMPTS} holds "
                         f"{len(prompts)}")
+    P = len(prompts) if params.optimum.prompts is None else params.optimum.prompts
+    optimum.check_pool_memory(P, n, cfg.response_max_tokens)
     device = pick_device()
     seed_everything(params.seed)
     # every scorer and the reference load (or fail naming their key) before any sampling
@@ -67,7 +69,6 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     # evaluate's lengths: drawn for every eval prompt from the seed, so the first P are evaluation's own
     lengths = response_lengths(len(prompts), cfg.response_min_tokens, cfg.response_max_tokens,
                                torch.Generator().manual_seed(params.seed))
-    P = len(prompts) if params.optimum.prompts is None else params.optimum.prompts
     query_ids, queries = prompts.take(range(P))
     pool = optimum.draw_pool(reference, tokenizer, query_ids, lengths[:P], n,
                              SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature), params.evaluate.batch_size,

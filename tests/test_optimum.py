@@ -16,6 +16,7 @@ import torch
 from conftest import ROOT, set_params
 
 from rlhf.eval import optimum
+from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.paths import EVAL_METRICS, EVAL_SAMPLES, POLICY_DIR
 from rlhf.rl import optimum as opt
 
@@ -184,3 +185,13 @@ def test_the_stage_pools_n_per_prompt_and_writes_only_a_marker_when_off(optimum_
     stage.main()
     assert sorted(p.name for p in optimum.POOL.parent.iterdir()) == ["DISABLED"]
     assert json.loads(optimum.METRICS.read_text()) == {"optimum": {"sampled": False}}
+
+
+def test_a_pool_larger_than_memory_is_refused_before_a_model_loads(optimum_dir: Path) -> None:
+    """optimum.samples_per_prompt 10**9 was killed by the OS, out of memory, without a word, once its models loaded."""
+    from stages import optimum as stage
+
+    set_params(optimum_dir, **{"optimum.samples_per_prompt": 10**9, "reward.model": "not-a-model"})  # loads last
+    with pytest.raises(PipelineError, match=r"^optimum.samples_per_prompt: a pool of 6 prompts x 1000000000 samples "
+                                            r"needs about \d+ GiB of memory, [\d.]+ GiB is available"):
+        stage.main()

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.models.rollout import SamplingParams
 from rlhf.models.runs import sample_run, score_run
 from rlhf.models.scorers import REWARD, Scorer, positive_threshold
+from rlhf.pipeline.errors import PipelineError
 from rlhf.rl import optimum as opt
 from rlhf.rl.preference import best_of_n_kl
 
@@ -31,6 +32,20 @@ METRICS = Path("metrics/optimum.json")
 BETAS = np.geomspace(10.0, 0.01, 61)  # from next to the reference to far past any pool's saturation
 MIN_ESS = 10.0
 SATURATION = 1.0
+# a pooled sample's memory, roughly: its text, token ids and columns (measured ~2.2 KiB at 16 tokens), generously
+SAMPLE_BYTES, TOKEN_BYTES = 1024, 128
+
+
+def check_pool_memory(prompts: int, n: int, tokens: int) -> None:
+    """Refuse, before any model loads, a pool of ``prompts`` x ``n`` samples of up to ``tokens`` tokens that cannot fit
+    in the memory available: the OS killed such a run, out of memory, without a word."""
+    import psutil  # a DVC dependency
+
+    needed, available = prompts * n * (SAMPLE_BYTES + tokens * TOKEN_BYTES), psutil.virtual_memory().available
+    if needed > available:
+        raise PipelineError(f"optimum.samples_per_prompt: a pool of {prompts} prompts x {n} samples needs about "
+                            f"{needed / 2**30:.0f} GiB of memory, {available / 2**30:.1f} GiB is available (lower it, "
+                            "or optimum.prompts)")
 
 
 def draw_pool(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids: list[list[int]],
