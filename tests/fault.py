@@ -51,7 +51,10 @@ def main() -> None:
     parser.add_argument("--kind", choices=["error", "interrupt", "disk-full", "oom", *SIGNALS], default="error")
     parser.add_argument("--where", default=r"^(stages|rlhf)/", help="regex over <file>:<qualified name>")
     parser.add_argument("--count", type=Path, help="write the number of matching calls here at exit")
+    parser.add_argument("--rank", help="fault only in the process of this RANK (torchrun); the others run on")
     args = parser.parse_args()
+    if args.rank is not None and os.environ.get("RANK", "0") != args.rank:
+        args.at = None
 
     root, where = Path.cwd().resolve(), re.compile(args.where)
     matches: dict[CodeType, bool] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import build_tiny_gpt2, set_params, write_prompts
+from conftest import ROOT, build_tiny_gpt2, set_params, write_prompts
 from helpers import run
 from transformers import AutoModelForCausalLM
 
@@ -62,6 +63,14 @@ def test_two_processes_on_cpu(ppo_project: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((ppo_project / "metrics/ppo.json").read_text())["processes"] == 2
     assert (ppo_project / "models/policy/model.safetensors").exists()
+
+    # one process killed at its third step: the other's collective fails, a traceback from inside gloo, then one line
+    set_params(ppo_project, **{"ppo.learning_rate": 2e-5})  # another run: no result to reuse
+    result = run(ppo_project, str(torchrun), "--nproc_per_node", "2", str(ROOT / "tests/fault.py"), "ppo", "--where",
+                 r"ppo_trainer\.py:PPOTrainer\.step$", "--at", "3", "--kind", "kill", "--rank", "1")
+    rank0 = [line for line in result.stderr.splitlines() if line.startswith(("error: ", "[rank0]:"))]
+    assert len(rank0) == 1 and re.fullmatch(r"error: another process of this run died \(.+\); checkpoint "
+                                            r"data/checkpoints/ppo/step-000001 kept; rerun to resume", rank0[0]), rank0
 
 
 def test_response_longer_than_the_context(ppo_project: Path, tokenizer_dir: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rlhf.pipeline.errors import PipelineError, is_disk_full, is_out_of_memory
+from rlhf.pipeline.errors import PipelineError, is_disk_full, is_out_of_memory, lost_peer
 from rlhf.pipeline.paths import checkpoint_dir, checkpoints, output_path
 
 
@@ -54,6 +54,8 @@ def one_line(error: Exception, stage: str | None, out_of_memory: str | None) -> 
                 else f"disk full ({str(error).splitlines()[0]})")
     if is_out_of_memory(error) and out_of_memory:
         return f"out of GPU memory in {stage}: {out_of_memory}"
+    if why := lost_peer(error):  # that process's own output says why it died
+        return f"another process of this run died ({why}); " + interrupted_message(stage, None).partition("; ")[2]
     return None
 
 

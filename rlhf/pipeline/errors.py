@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import sys
 from collections.abc import Callable, Iterator
 
@@ -73,3 +74,15 @@ def is_disk_full(error: BaseException) -> bool:
 def is_out_of_memory(error: BaseException) -> bool:
     torch = sys.modules.get("torch")  # a stage that never imported torch cannot have run out of GPU memory
     return torch is not None and isinstance(error, torch.OutOfMemoryError)
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """Why a collective failed when another process of a multi-process run died (gloo: its connection closed), in a
+    few words; None for any other error."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if not (isinstance(error, dist.DistError) or "gloo" in text and "peer" in text):
+        return None
+    return re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0]  # "[.../pair.cc:553] Connection closed by peer ...."
