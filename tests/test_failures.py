@@ -200,18 +200,19 @@ LOSS = r"^rlhf/train/sft\.py:train\.<locals>\.loss$"  # one call per micro-batch
     ("evaluate", r"^rlhf/models/rollout\.py:generate$", 1, "oom",
      "error: out of GPU memory in evaluate: lower evaluate.batch_size", 1),
     # a full disk in a writer of a checkpoint (step 1), of the model (the second safetensors file), of a rollout
-    # chunk (mid-run)
+    # chunk (mid-run), of the curves (a write's OSError names no file)
     ("ppo", r"safetensors/torch\.py:save_file$", 2, "disk-full", "error: disk full writing models/policy", 1),
     ("ppo", r"pyarrow/parquet/core\.py:write_table$", 1, "disk-full",
      "error: disk full writing data/rollouts/steps-000000-000001.parquet", 1),
     ("ppo", r"safetensors/torch\.py:save_file$", 1, "disk-full",
      "error: disk full writing data/checkpoints/ppo/step-000001", 1),
+    ("ppo", r"dvclive/live\.py:Live\.next_step$", 1, "disk-full", "error: disk full writing metrics/ppo", 1),
     # Ctrl-C before and after the first checkpoint (a real SIGINT: test_resume's kill test)
     ("sft", LOSS, 3, "interrupt", "interrupted at step 2; nothing written", 130),
     ("ppo", r"^rlhf/train/ppo_trainer\.py:PPOTrainer\.step$", 4, "interrupt",
      "interrupted at step 3; checkpoint data/checkpoints/ppo/step-000001 kept; rerun to resume", 130),
 ], ids=["oom-sft", "oom-reward", "oom-evaluate", "disk-full-model", "disk-full-rollouts", "disk-full-checkpoint",
-        "interrupt-sft", "interrupt-ppo"])
+        "disk-full-curves", "interrupt-sft", "interrupt-ppo"])
 def test_a_fault_inside_a_stage_is_one_line_and_changes_no_output(
         stage: str, where: str, at: int, kind: str, line: str, status: int,
         stage_project: Callable[[str], Path]) -> None:

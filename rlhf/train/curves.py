@@ -9,11 +9,28 @@ own, unchanged.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from dvclive import Live
 
+from rlhf.pipeline.io import naming_disk_full
+
 
 class Curves(Live):
+    """DVCLive's Live; a full disk while it writes names the curves' folder (a write's OSError names no file)."""
+
+    def log_metric(self, *args: Any, **kwargs: Any) -> None:
+        with naming_disk_full(self.dir):
+            super().log_metric(*args, **kwargs)
+
+    def next_step(self) -> None:
+        with naming_disk_full(self.dir):
+            super().next_step()
+
+    def end(self) -> None:
+        with naming_disk_full(self.dir):
+            super().end()
+
     def post_data_to_studio(self) -> None:
         # a private set of DVCLive's: should it go away, every step posts (slowly) as before
         if "data" not in getattr(self, "_studio_events_to_skip", ()):
