@@ -23,10 +23,11 @@ import pandas as pd
 import pytest
 import torch
 from conftest import ROOT, TINY, build_tiny_classifier, build_tiny_gpt2, set_params, write_prompts
-from helpers import run, snapshot
+from helpers import leftovers, run, snapshot
 
 from rlhf.models.loading import initial_tokenizer, load_tokenizer
 from rlhf.models.scorers import ClassifierScorer
+from rlhf.pipeline.cli import STOP_SIGNAL, STOP_SIGNALS, raise_interrupt, stop_signals
 from rlhf.pipeline.errors import ModelError, ParamsError, PipelineError
 from rlhf.pipeline.params import defaults, load_params
 from rlhf.pipeline.wiring import wiring
@@ -188,6 +189,25 @@ def test_a_stop_after_a_stage_is_done_leaves_it_done(ppo_dir: Path) -> None:
     assert process.returncode == 0, stderr
 
 
+def test_a_second_stop_while_the_first_unwinds_adds_nothing() -> None:
+    """Ctrl-C pressed twice: the second, raised while the first unwound, broke off the cleanup (staging left behind,
+    the step lost from the line) or printed a traceback. The stage's own handler, sent real signals."""
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    stop_signals(raise_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # while the first unwinds: its cleanup must go on
+        except KeyboardInterrupt:
+            pytest.fail("a second stop signal raised while the first unwound")
+        assert STOP_SIGNAL[0] == signal.SIGINT
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def test_sigterm_keeps_the_checkpoint_a_second_run_is_refused_and_ctrl_c_repeated_is_one_line(ppo_dir: Path) -> None:
     before = snapshot(ppo_dir, "ppo")
     set_params(ppo_dir, **{"ppo.steps": 5000})  # never finishes: every process here is stopped
@@ -224,8 +244,9 @@ def test_sigterm_keeps_the_checkpoint_a_second_run_is_refused_and_ctrl_c_repeate
         _, stderr = resumed.communicate(timeout=60)
         assert resumed.returncode == 130
         assert "Traceback" not in stderr and "resuming after step" in stderr
-        assert len([line for line in stderr.splitlines() if line.startswith("interrupted")]) == 1
-        assert snapshot(ppo_dir, "ppo") == before
+        stops = [line for line in stderr.splitlines() if line.startswith("interrupted")]
+        assert len(stops) == 1 and stops[0].startswith("interrupted at step ")
+        assert snapshot(ppo_dir, "ppo") == before and leftovers(ppo_dir, "ppo") == []
     finally:
         set_params(ppo_dir, **{"ppo.steps": TINY["ppo.steps"]})
         shutil.rmtree(ppo_dir / PPO_CHECKPOINTS, ignore_errors=True)

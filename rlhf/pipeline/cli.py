@@ -85,7 +85,9 @@ def finishing() -> None:
 
 
 def raise_interrupt(signum: int, frame: object) -> None:
-    """A stop signal reads like Ctrl-C: a KeyboardInterrupt where the stage is, so it keeps its checkpoint."""
+    """A stop signal reads like Ctrl-C: a KeyboardInterrupt where the stage is, so it keeps its checkpoint. Those that
+    follow are ignored: raised while the first unwinds, they broke off its cleanup."""
+    stop_signals(signal.SIG_IGN)
     STOP_SIGNAL[0] = signal.Signals(signum)
     raise KeyboardInterrupt
 
