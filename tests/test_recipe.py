@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import dvc, set_params
+from conftest import dvc, error_line, set_params
 
 from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.params import load_params, read_yaml
@@ -103,11 +103,9 @@ def test_a_bad_preset_fails_before_running(tmp_path: Path) -> None:
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "broken.yaml").write_text("ppo:\n  batch_size: -1\n")
     shutil.copy(ROOT / "params.yaml", tmp_path)
-    result = run_recipe(tmp_path, "broken", "--dry-run")
-    assert result.returncode == 1
-    assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be >= 2 (got -1)"
-    result = run_recipe(tmp_path, "nope", "--dry-run")
-    assert result.stderr.strip() == "error: presets/nope.yaml: no such preset (known: broken)"
+    error_line(run_recipe(tmp_path, "broken", "--dry-run"), "params.yaml: ppo.batch_size", "must be >= 2", alone=True)
+    error_line(run_recipe(tmp_path, "nope", "--dry-run"), "presets/nope.yaml", "no such preset (known: broken)",
+               alone=True)
 
 
 def test_a_bad_preset_copies_no_input(tmp_path: Path, imdb_dir: Path) -> None:
@@ -116,9 +114,8 @@ def test_a_bad_preset_copies_no_input(tmp_path: Path, imdb_dir: Path) -> None:
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "broken.yaml").write_text("data:\n  source: data/raw/imdb\nppo:\n  batch_size: -1\n")
     shutil.copy(ROOT / "params.yaml", tmp_path)
-    result = run_recipe(tmp_path, "broken", "--imdb", str(imdb_dir))
-    assert result.returncode == 1
-    assert result.stderr.strip() == "error: params.yaml: ppo.batch_size: must be >= 2 (got -1)"
+    error_line(run_recipe(tmp_path, "broken", "--imdb", str(imdb_dir)), "params.yaml: ppo.batch_size", "must be >= 2",
+               alone=True)
     assert not (tmp_path / "data").exists()
 
 
