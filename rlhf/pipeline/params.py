@@ -9,75 +9,19 @@ from __future__ import annotations
 import functools
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from ruamel.yaml import YAML, YAMLError
 
 from rlhf.pipeline.errors import ParamsError
-from rlhf.pipeline.ppo_params import PpoParams
-from rlhf.pipeline.sections import (
-    DataParams,
-    DpoParams,
-    EvaluateParams,
-    ModelParams,
-    OptimumParams,
-    PrepareParams,
-    RewardParams,
-    Rule,
-    Section,
-    SftParams,
-)
+from rlhf.pipeline.section import Rule, Section
+from rlhf.pipeline.sections import Params
 from rlhf.pipeline.wiring import wiring
 
 PARAMS_FILE = Path("params.yaml")
 ROOT = Path(__file__).resolve().parents[2]  # the project, whose params.yaml holds the defaults
-
-
-class Params(Section):
-    """The whole of params.yaml."""
-
-    seed: int = Field(ge=0, lt=2**32)
-    """Seed of every random generator (each output derives its own from it); below 2**32, as NumPy's seeds are."""
-    method: Literal["ppo", "dpo", "best_of_n"]
-    """How the evaluated policy is made: ppo (RL against the reward scorer), dpo (DPO or IPO on preference pairs) or
-    best_of_n (no training: the reward scorer's best of evaluate.best_of_n reference samples). The other methods'
-    stages write only a marker."""
-    data: DataParams
-    model: ModelParams
-    prepare: PrepareParams
-    sft: SftParams
-    reward: RewardParams
-    ppo: PpoParams
-    dpo: DpoParams
-    evaluate: EvaluateParams
-    optimum: OptimumParams
-
-    @property
-    def tokenizer_path(self) -> str:
-        """model.tokenizer, else the SFT base or the policy it belongs to."""
-        if self.model.tokenizer is not None:
-            return self.model.tokenizer
-        return self.sft.base if self.sft.enabled and self.sft.base != "scratch" else self.model.policy
-
-    @model_validator(mode="after")
-    def _rules(self) -> Params:
-        """The rules between sections."""
-        reward, sft, scratch = self.reward, self.sft, self.sft.enabled and self.sft.base == "scratch"
-        if reward.train and reward.base == "sft" and not sft.enabled:
-            raise Rule("reward.base", "is 'sft' but sft.enabled is false (enable sft or name another base)",
-                       reward.base)
-        if self.model.lora.r and self.ppo.critic == "separate":
-            raise Rule("ppo.value_model", "must be 'shared' with model.lora.r > 0 (a separate critic would hold a "
-                                          "second full copy of the weights, what LoRA saves)", self.ppo.value_model)
-        longest = self.prepare.prompt_max_tokens + self.ppo.response_max_tokens
-        if scratch and longest > sft.n_positions:
-            raise Rule("ppo.response_max_tokens", f"prompt_max_tokens + response_max_tokens ({longest}) must fit "
-                                                  f"sft.n_positions ({sft.n_positions})", self.ppo.response_max_tokens)
-        if scratch and self.dpo.max_length > sft.n_positions:
-            raise Rule("dpo.max_length", f"must fit sft.n_positions ({sft.n_positions})", self.dpo.max_length)
-        return self
 
 
 def parse_yaml(text: str, where: str) -> Any:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf.pipeline.sections import Rule, Section, at_most
+from rlhf.pipeline.section import Rule, Section, at_most
 from rlhf.rl.advantages import ESTIMATORS
 
 

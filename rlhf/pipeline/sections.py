@@ -1,30 +1,18 @@
-"""Every key of params.yaml, declared once: its type, bound and doc (what ``--help`` prints), the rules between keys,
-and ``Params``, the whole file. No defaults: params.yaml holds them, every key written out (it is DVC's cache key).
-A broken rule raises ``Rule``; rlhf/pipeline/params.py reads the file and turns any error into one line."""
+"""Every key of params.yaml, declared once (the ppo section in ppo_params.py): its type, bound and doc (what
+``--help`` prints), the rules between keys, and ``Params``, the whole file. No defaults: params.yaml holds them, every
+key written out (it is DVC's cache key). A new stage's section is declared here and listed in ``Params``."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, model_validator
 
-from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.paths import SPLITS, is_local
-
-
-class Rule(ValueError):
-    """``params.yaml: <key>: <rule> (got <value>)``; ``key`` relative to the model that raises it ('': the field)."""
-
-    def __init__(self, key: str, rule: str, value: Any) -> None:
-        super().__init__(rule)
-        self.key, self.rule, self.value = key, rule, value
-
-
-def at_most(model: BaseModel, key: str, limit: str, section: str) -> None:
-    if getattr(model, key) > getattr(model, limit):
-        raise Rule(key, f"must be <= {section}.{limit} ({getattr(model, limit)})", getattr(model, key))
+from rlhf.pipeline.ppo_params import PpoParams
+from rlhf.pipeline.section import Rule, Section, at_most
 
 
 def _exists_if_local(value: str, info: ValidationInfo) -> str:
@@ -41,20 +29,6 @@ PathOrId = Annotated[str, AfterValidator(_exists_if_local)]  # a Hub id (not che
 def judge_name(spec: str) -> str:
     """A scorer's metrics name: 'vader', or the model's last path component, sanitized."""
     return re.sub(r"[^A-Za-z0-9_-]+", "_", Path(spec.rstrip("/")).name) or "model"
-
-
-class Section(BaseModel):
-    # strict: a string is never a number and a bool never an int (an int is still accepted for a float)
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
-                              use_attribute_docstrings=True)
-    _view: tuple[str, str] | None = PrivateAttr(None)  # (stage, key prefix) in a stage's view (params.for_stage)
-
-    def __getattr__(self, name: str) -> Any:  # reached only for a field left out of a stage's view
-        if name in type(self).model_fields:
-            stage, prefix = self.__pydantic_private__.get("_view") or ("?", "")
-            raise ParamsError(f"{stage} reads {prefix}{name}, which dvc.yaml does not list among its params (add it "
-                              f"to the {stage} stage's params there)")
-        return super().__getattr__(name)
 
 
 class Schedule(Section):
@@ -298,3 +272,48 @@ class OptimumParams(Section):
     estimate holds up to about log N - 1 nats of KL (the optimum stage marks the points beyond)."""
     prompts: int | None = Field(gt=0)
     """Eval prompts pooled (the first ones); null: all of them."""
+
+
+class Params(Section):
+    """The whole of params.yaml."""
+
+    seed: int = Field(ge=0, lt=2**32)
+    """Seed of every random generator (each output derives its own from it); below 2**32, as NumPy's seeds are."""
+    method: Literal["ppo", "dpo", "best_of_n"]
+    """How the evaluated policy is made: ppo (RL against the reward scorer), dpo (DPO or IPO on preference pairs) or
+    best_of_n (no training: the reward scorer's best of evaluate.best_of_n reference samples). The other methods'
+    stages write only a marker."""
+    data: DataParams
+    model: ModelParams
+    prepare: PrepareParams
+    sft: SftParams
+    reward: RewardParams
+    ppo: PpoParams
+    dpo: DpoParams
+    evaluate: EvaluateParams
+    optimum: OptimumParams
+
+    @property
+    def tokenizer_path(self) -> str:
+        """model.tokenizer, else the SFT base or the policy it belongs to."""
+        if self.model.tokenizer is not None:
+            return self.model.tokenizer
+        return self.sft.base if self.sft.enabled and self.sft.base != "scratch" else self.model.policy
+
+    @model_validator(mode="after")
+    def _rules(self) -> Params:
+        """The rules between sections."""
+        reward, sft, scratch = self.reward, self.sft, self.sft.enabled and self.sft.base == "scratch"
+        if reward.train and reward.base == "sft" and not sft.enabled:
+            raise Rule("reward.base", "is 'sft' but sft.enabled is false (enable sft or name another base)",
+                       reward.base)
+        if self.model.lora.r and self.ppo.critic == "separate":
+            raise Rule("ppo.value_model", "must be 'shared' with model.lora.r > 0 (a separate critic would hold a "
+                                          "second full copy of the weights, what LoRA saves)", self.ppo.value_model)
+        longest = self.prepare.prompt_max_tokens + self.ppo.response_max_tokens
+        if scratch and longest > sft.n_positions:
+            raise Rule("ppo.response_max_tokens", f"prompt_max_tokens + response_max_tokens ({longest}) must fit "
+                                                  f"sft.n_positions ({sft.n_positions})", self.ppo.response_max_tokens)
+        if scratch and self.dpo.max_length > sft.n_positions:
+            raise Rule("dpo.max_length", f"must fit sft.n_positions ({sft.n_positions})", self.dpo.max_length)
+        return self
