@@ -161,7 +161,8 @@ class PPOTrainer:
         masks = samples.response_mask
         rewards, non_score_reward, kl = ppo.compute_rewards(scores, out.logprobs, ref.logprobs, masks,
                                                             self.kl_ctl.value, cfg.kl_penalty, out.logits, ref.logits)
-        advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(rewards, masks, out.values, cfg)
+        advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(rewards, masks, out.values, cfg,
+                                                                               self.kl_ctl.value)
         experience = ppo.Experience(out.logprobs, ref.logprobs, out.values, advantages, returns, masks)
         return Rollout(samples, queries, responses, scores, experience, rewards, non_score_reward, kl, out.entropy)
 
