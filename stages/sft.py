@@ -11,6 +11,7 @@ The outputs are replaced together when the stage completes, or not at all (rlhf/
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -21,7 +22,7 @@ from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import Params, load_params
-from rlhf.pipeline.paths import SFT_DIR, SFT_LOSS, SFT_METRICS
+from rlhf.pipeline.paths import SFT_DIR
 from rlhf.train.checkpoint import weights_bytes
 from rlhf.train.rng import seed_everything
 from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
@@ -29,6 +30,8 @@ from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
 EVAL_BATCH = 16
 
 STAGE = "sft"
+SFT_METRICS = Path("metrics/sft.json")
+SFT_LOSS = Path("metrics/sft/loss.csv")
 # what to lower when the GPU runs out of memory
 OUT_OF_MEMORY = "lower sft.batch_size (and raise sft.gradient_accumulation_steps to keep the same batch)"
 

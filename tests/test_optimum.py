@@ -16,8 +16,9 @@ import torch
 from conftest import ROOT, set_params
 
 from rlhf.eval import optimum
-from rlhf.pipeline.paths import EVAL_METRICS, EVAL_SAMPLES, POLICY_DIR
+from rlhf.pipeline.paths import POLICY_DIR
 from rlhf.rl import optimum as opt
+from stages.evaluate import EVAL_METRICS, EVAL_SAMPLES
 
 # --- the math ------------------------------------------------------------------------------------------------------
 
