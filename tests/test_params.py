@@ -303,6 +303,9 @@ def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
      "'shared' with ppo.advantage_estimator rloo"),
     ({"advantage_estimator": "dpg", "samples_per_prompt": 4, "init_kl_coef": 0.0}, "ppo.init_kl_coef",
      "> 0 with ppo.advantage_estimator dpg"),
+    ({"advantage_estimator": "dpg", "samples_per_prompt": 4, "kl_penalty": "k3"}, "ppo.kl_penalty",
+     "kl with ppo.advantage_estimator dpg"),
+    ({"advantage_estimator": "dpg"}, "ppo.samples_per_prompt", ">= 2 with ppo.advantage_estimator dpg"),
     ({"advantage_estimator": "ppo"}, "ppo.advantage_estimator", f"one of {', '.join(ESTIMATORS)}"),
 ])
 def test_estimator_rules_name_the_key(raw: dict, updates: dict, key: str, rule: str) -> None:

@@ -138,9 +138,10 @@ def dpg_advantages(sequence_rewards: torch.Tensor, mask: torch.Tensor, k: int, k
 
     on every real token of sample i, 0 on padding; (B,) ``sequence_rewards``, (B, T) ``mask`` -> (B, T) advantages.
     With R_i = r_i - beta sum_t log pi / pi_ref (the score plus the summed k1 KL penalty at ``kl_coef`` = beta, as
-    compute_rewards gives it), R_i / beta = log(pi_ref(y_i) exp(r_i / beta) / pi(y_i)): the log-weight of y_i. At
-    pi = pi_beta every R_i of a prompt is equal, so the advantages are exactly 0 there. The advantages lie in
-    [-1, k - 1] and sum to 0 over a group whatever the rewards' scale. Samples grouped as in group_view; k >= 2.
+    compute_rewards gives it under ppo.kl_penalty kl; the other KL estimates would bias the weights), R_i / beta =
+    log(pi_ref(y_i) exp(r_i / beta) / pi(y_i)): the log-weight of y_i. At pi = pi_beta every R_i of a prompt is
+    equal, so the advantages are exactly 0 there. The advantages lie in [-1, k - 1] and sum to 0 over a group
+    whatever the rewards' scale. Samples grouped as in group_view; k >= 2.
     """
     if kl_coef <= 0:
         raise ValueError(f"dpg_advantages: kl_coef = {kl_coef}; the weights exp(R / kl_coef) need kl_coef > 0")
@@ -194,8 +195,8 @@ GROUP_IGNORES = ("gamma", "lam", "whiten_rewards")
 class Estimator:
     """``advantages``: the estimator's function; ``doc``: what the advantage is, and whose; ``trains_critic``: learns a
     value head (GAE); ``min_samples_per_prompt``: the k its baseline needs (the prompt's other samples); ``kl_loss``:
-    accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``needs_kl_coef``: divides by the KL coefficient
-(ppo.init_kl_coef > 0); ``ignores``: the ppo.* keys it leaves unused besides the
+        accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``needs_kl_coef``: reads R / kl_coef as a log importance
+    weight (ppo.init_kl_coef > 0, ppo.kl_penalty kl); ``ignores``: the ppo.* keys it leaves unused besides the
     critic's."""
 
     advantages: Advantages
@@ -215,7 +216,7 @@ class Estimator:
         """One line for the params docs: the doc and the rules."""
         rules = [f"k >= {self.min_samples_per_prompt}"] if self.min_samples_per_prompt > 1 else []
         rules += ["kl_loss_coef allowed"] if self.kl_loss else []
-        rules += ["init_kl_coef > 0"] if self.needs_kl_coef else []
+        rules += ["init_kl_coef > 0, kl_penalty kl"] if self.needs_kl_coef else []
         return f"{self.doc}; {'value head' if self.trains_critic else 'no critic'}" + "".join(f", {r}" for r in rules)
 
 
