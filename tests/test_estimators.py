@@ -206,6 +206,36 @@ def test_dpg_advantages_sum_to_zero_lie_in_range_and_vanish_at_the_optimum(batch
         adv.dpg_advantages(R, mask, 1, 0.5)
 
 
+@pytest.mark.parametrize("beta", [0.05, 1.0, 20.0])
+def test_dpg_advantages_match_the_paper_at_any_kl_coef(batch, beta: float) -> None:
+    """The pure function on R = score - beta * sum_t (log pi - log pi_ref), against the weights written from
+    sequence log-probabilities; beta from nearly one-hot weights (0.05) to nearly uniform ones (20)."""
+    k, mask, g = batch
+    logprobs, ref_logprobs = (torch.randn(mask.shape, generator=g, dtype=torch.float64) for _ in range(2))
+    scores = torch.randn(len(mask), generator=g, dtype=torch.float64)
+    R = scores - beta * ((logprobs - ref_logprobs) * mask).sum(1)
+    got = adv.dpg_advantages(R, mask, k, beta)
+    assert got.dtype == torch.float64 and got.shape == mask.shape
+    expected = dpg_reference(scores.tolist(), logprobs, ref_logprobs, mask, k, beta)
+    for i in range(len(mask)):  # rel 1e-9: beta * sum(log ratio) and back lose a few of float64's digits
+        real = real_positions(mask, i)
+        assert got[i, real].tolist() == pytest.approx([expected[i]] * len(real), rel=1e-9, abs=1e-9)
+        assert (got[i, [t for t in range(T) if t not in real]] == 0).all()
+
+
+def test_dpg_equal_rewards_give_uniform_weights_and_a_dominant_sample_takes_all() -> None:
+    mask = torch.ones(8, 3)
+    R = torch.tensor([0.7, 0.7, 0.7, 0.7,  # equal: w = 1/k each, no sample pushed up or down
+                      0.0, 1e4, -3.0, 2.0])  # one R far above: w -> (0, 1, 0, 0), A -> (-1, k - 1, -1, -1)
+    got = adv.dpg_advantages(R, mask, 4, 0.1)
+    assert torch.isfinite(got).all()  # exp(1e5) overflows: the softmax must not
+    assert (got[:4] == 0).all()
+    assert got[4:, 0].tolist() == [-1.0, 3.0, -1.0, -1.0]
+    # a sample twice as likely under pi_beta / pi as each of the others: w = (2/5, 1/5, 1/5, 1/5), A = k w - 1
+    R = torch.tensor([math.log(2.0), 0.0, 0.0, 0.0], dtype=torch.float64)
+    assert adv.dpg_advantages(R, torch.ones(4, 1), 4, 1.0)[:, 0].tolist() == pytest.approx([0.6, -0.2, -0.2, -0.2])
+
+
 # --- REINFORCE++ -----------------------------------------------------------------------------------------------------
 
 
