@@ -58,17 +58,17 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
         add_lora(lm, params.model.lora)
     dpo.check_context(lm, cfg.max_length, what)
     outputs.check_free_space(DPO_DIR, checkpoint.weights_bytes(lm))
-    device, precision = pick_device(), params.model.precision
-    lm.to(device)
+    policy = dpo.PairModel(lm, tokenizer, pick_device(), params.model.precision)
+    lm.to(policy.device)
     train_pairs, test_pairs = (
         dataclasses.replace(dpo.encode_pairs(frame, tokenizer, cfg.max_length, str(path)), ref_logprobs=ref)
         for frame, path, ref in zip(frames, dpo.PAIR_FILES[cfg.pairs][1:], ref_logprobs, strict=True))
 
     fingerprint = run_fingerprint(params) if cfg.checkpoint_every else None
     history = dpo.History(dpo.total_steps(len(train_pairs), cfg),
-                          lambda: dpo.evaluate(lm, tokenizer, test_pairs, cfg, device, precision, EVAL_BATCH),
+                          lambda: dpo.evaluate(policy, test_pairs, cfg, EVAL_BATCH),
                           checkpoint_dir(STAGE) / f"history-{fingerprint}.jsonl" if fingerprint else None)
-    result = dpo.train(lm, tokenizer, train_pairs, cfg, device, generator, precision, fingerprint, history)
+    result = dpo.train(policy, train_pairs, cfg, generator, fingerprint, history)
     held_out = {key: value for key, value in history.rows[-1].items() if key.startswith("eval/")}
 
     save_pretrained(lm, tokenizer, outputs[DPO_DIR])

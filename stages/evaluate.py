@@ -87,8 +87,7 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens,
                   f"the reference model ({what})")
 
-    metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts.queries, prompts.input_ids,
-                                       params)
+    metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts, params)
 
     write_parquet(pa.Table.from_pandas(samples, preserve_index=False), outputs[EVAL_SAMPLES])
     scores = {"before": samples["reward_before"].to_numpy(), "after": samples["reward_after"].to_numpy()}

@@ -27,6 +27,7 @@ from rlhf.eval import optimum
 from rlhf.models.loading import load_initial_policy
 from rlhf.models.precision import pick_device
 from rlhf.models.rollout import SamplingParams, response_lengths
+from rlhf.models.runs import Sampler
 from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
@@ -68,11 +69,10 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     lengths = response_lengths(len(prompts), cfg.response_min_tokens, cfg.response_max_tokens,
                                torch.Generator().manual_seed(params.seed))
     P = len(prompts) if params.optimum.prompts is None else params.optimum.prompts
-    query_ids, queries = prompts.take(range(P))
-    pool = optimum.draw_pool(reference, tokenizer, query_ids, lengths[:P], n,
-                             SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature), params.evaluate.batch_size,
-                             params.seed)
-    pool = optimum.score_pool(pool, queries, scorers, params.evaluate.batch_size)
+    sampler = Sampler(reference, tokenizer, SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature),
+                      params.evaluate.batch_size)
+    pool = optimum.draw_pool(sampler, prompts.input_ids[:P], lengths[:P], n, params.seed)
+    pool = optimum.score_pool(pool, prompts.queries[:P], scorers, params.evaluate.batch_size)
     curve, best_of_n = optimum.curve(pool, list(scorers)), optimum.best_of_n(pool, list(scorers))
 
     write_parquet(pa.Table.from_pandas(pool, preserve_index=False), outputs[optimum.POOL])

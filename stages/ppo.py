@@ -175,8 +175,8 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
             live.step = found.state["live_step"]
         bar = tqdm(range(first, cfg.steps), desc="ppo", disable=not is_main, initial=first, total=cfg.steps)
         for step in bar:
-            query_ids, queries = prompts.take(next(order).tolist())
-            result = trainer.step(query_ids, queries, step)
+            batch = prompts.take(next(order).tolist())
+            result = trainer.step(batch.input_ids, batch.queries, step)
             if not result.skipped:
                 last = result.stats
                 if is_main:

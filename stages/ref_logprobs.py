@@ -42,11 +42,11 @@ def write_reference(params: Params, outputs: StagedOutputs) -> None:
     lm, tokenizer, what = load_initial_policy(params)
     dpo.check_context(lm, cfg.max_length, what)
     key = dpo.reference_key(params)
-    device = pick_device()
-    lm.to(device)
+    reference = dpo.PairModel(lm, tokenizer, pick_device(), params.model.precision)
+    lm.to(reference.device)
     for frame, pairs_file, path in zip(frames, dpo.PAIR_FILES[cfg.pairs][1:], dpo.REF_FILES, strict=True):
         pairs = dpo.encode_pairs(frame, tokenizer, cfg.max_length, str(pairs_file))
-        pairs = dpo.with_reference(pairs, lm, tokenizer, BATCH, device, params.model.precision)
+        pairs = dpo.with_reference(pairs, reference, BATCH)
         dpo.write_reference(pairs.ref_logprobs, outputs[path], key)
         log.info("ref_logprobs: %d pairs of %s", len(pairs), pairs_file)
 

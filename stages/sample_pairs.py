@@ -21,6 +21,7 @@ from rlhf.data.sampled_pairs import sample_pairs
 from rlhf.models.decoding import SamplingParams
 from rlhf.models.loading import load_initial_policy
 from rlhf.models.precision import pick_device
+from rlhf.models.runs import Sampler
 from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
@@ -71,12 +72,10 @@ def write_pairs(params: Params, outputs: StagedOutputs) -> None:
     cfg = params.ppo
     check_prompts(TRAIN_PROMPTS, prompts, tokenizer, lm, cfg.response_max_tokens, "the initial policy")
     lm.to(device).eval()
-    sampling = SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature)
+    sampler = Sampler(lm, tokenizer, SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature), BATCH)
     for offset, (idx, path) in enumerate(zip(indices, (SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS), strict=True)):
-        query_ids, queries = prompts.take(idx)
-        table = sample_pairs(lm, tokenizer, query_ids, queries, params.dpo.samples_per_prompt,
-                             (cfg.response_min_tokens, cfg.response_max_tokens), sampling, scorer, BATCH,
-                             params.seed + offset)
+        table = sample_pairs(sampler, prompts.take(idx), params.dpo.samples_per_prompt,
+                             (cfg.response_min_tokens, cfg.response_max_tokens), scorer, params.seed + offset)
         if table.num_rows == 0:
             raise DataError(f"{path}: every completion of its {len(idx)} prompts scored the same: no pairs (raise "
                             "dpo.samples_per_prompt or dpo.sample_prompts)")

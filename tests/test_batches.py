@@ -44,4 +44,4 @@ def test_processes_take_disjoint_slices_of_each_global_batch() -> None:
 def test_prompts_take_keeps_the_order_of_the_indices() -> None:
     prompts = Prompts([[1], [2, 2], [3]], ["a", "b", "c"])
     assert len(prompts) == 3
-    assert prompts.take([2, 0]) == ([[3], [1]], ["c", "a"])
+    assert prompts.take([2, 0]) == Prompts([[3], [1]], ["c", "a"])

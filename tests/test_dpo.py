@@ -12,10 +12,11 @@ import pytest
 import torch
 from helpers import QUERIES, TokenShareScorer, signal_pairs
 
+from rlhf.data.prompts import Prompts
 from rlhf.data.sampled_pairs import SAMPLED_PAIR_SCHEMA, sample_pairs
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.rollout import response_lengths
-from rlhf.models.runs import sample_run, score_run
+from rlhf.models.runs import Sampler, score_run
 from rlhf.models.sampling import SamplingParams
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.params import defaults
@@ -41,7 +42,7 @@ def load(path: Path):
 
 def prepared(frame: pd.DataFrame, reference, tokenizer) -> dpo.PairSet:
     pairs = dpo.encode_pairs(frame, tokenizer, CONFIG.max_length, "pairs")
-    return dpo.with_reference(pairs, reference, tokenizer, 16, CPU, "fp32")
+    return dpo.with_reference(pairs, dpo.PairModel(reference, tokenizer, CPU), 16)
 
 
 def test_pairs_without_a_prompt_continue_bos_and_responses_are_cut_to_fit(tokenizer) -> None:
@@ -76,14 +77,14 @@ def test_preference_training_learns_an_obvious_signal(tiny_gpt2_dir: Path, token
     config = CONFIG.model_copy(update=dict(loss=loss))
     train = prepared(signal_pairs(64, 0), reference, tokenizer)
     held_out = prepared(signal_pairs(32, 1), reference, tokenizer)
-    before = dpo.evaluate(lm, tokenizer, held_out, config, CPU)
+    before = dpo.evaluate(dpo.PairModel(lm, tokenizer, CPU), held_out, config)
     assert before["rewards/accuracies"] < 0.5 and abs(before["rewards/margins"]) < 1e-4  # the policy is the reference
     steps = []
-    result = dpo.train(lm, tokenizer, train, config, CPU, torch.Generator().manual_seed(0),  # 8 steps
+    result = dpo.train(dpo.PairModel(lm, tokenizer, CPU), train, config, torch.Generator().manual_seed(0),  # 8 steps
                        after_step=lambda step, stats: steps.append((step, stats)))
     assert [step for step, _ in steps] == list(range(8))
     assert steps[-1][1]["rewards/accuracies"] >= 0.9 and steps[-1][1]["loss"] == pytest.approx(result.losses[-1])
-    after = dpo.evaluate(lm, tokenizer, held_out, config, CPU)
+    after = dpo.evaluate(dpo.PairModel(lm, tokenizer, CPU), held_out, config)
     assert after["rewards/accuracies"] >= 0.9
     assert after["rewards/margins"] > 0 and after["logratios/chosen"] > after["logratios/rejected"]
     assert after["loss"] < before["loss"] and sum(result.losses[-4:]) / 4 < result.losses[0]
@@ -93,7 +94,7 @@ def mean_score(lm, tokenizer, scorer, n: int = 64) -> float:
     """The scorer's mean over ``n`` responses to QUERIES, sampled with fixed lengths and draws."""
     queries = [QUERIES[i % len(QUERIES)] for i in range(n)]
     lengths = response_lengths(n, *RESPONSE_TOKENS, torch.Generator().manual_seed(1))
-    run = sample_run(lm, tokenizer, [tokenizer(q).input_ids for q in queries], lengths, SAMPLING, n, 1, "eval")
+    run = Sampler(lm, tokenizer, SAMPLING, n).run([tokenizer(q).input_ids for q in queries], lengths, 1, "eval")
     return score_run({"s": scorer}, queries, run.texts, n, "score")["s"].mean().item()
 
 
@@ -101,8 +102,8 @@ def every_ranked_pair(reference, tokenizer, scorer, k: int) -> list[tuple[str, s
     """(prompt, chosen, rejected) of the draws ``sample_pairs(seed=0)`` makes, compared two by two in a loop."""
     queries = [q for q in PAIR_PROMPTS for _ in range(k)]
     lengths = response_lengths(len(queries), *RESPONSE_TOKENS, torch.Generator().manual_seed(0))
-    texts = sample_run(reference, tokenizer, [tokenizer(q).input_ids for q in queries], lengths, SAMPLING, 16, 0,
-                       "sample").texts
+    texts = Sampler(reference, tokenizer, SAMPLING, 16).run([tokenizer(q).input_ids for q in queries], lengths, 0,
+                                                            "sample").texts
     scores = [scorer([q], [t]).item() for q, t in zip(queries, texts, strict=True)]
     pairs = []
     for p in range(len(PAIR_PROMPTS)):
@@ -118,8 +119,8 @@ def test_sampled_pairs_rank_as_the_scorer_and_dpo_on_them_raises_its_score(tiny_
     reference, lm = load(tiny_gpt2_dir), load(tiny_gpt2_dir)
     scorer = TokenShareScorer(tokenizer, cutoff=len(tokenizer) // 4)
     k = 8
-    table = sample_pairs(reference, tokenizer, [tokenizer(q).input_ids for q in PAIR_PROMPTS], PAIR_PROMPTS, k,
-                         RESPONSE_TOKENS, SAMPLING, scorer, 16, seed=0)
+    prompts = Prompts([tokenizer(q).input_ids for q in PAIR_PROMPTS], PAIR_PROMPTS)
+    table = sample_pairs(Sampler(reference, tokenizer, SAMPLING, 16), prompts, k, RESPONSE_TOKENS, scorer, seed=0)
     assert table.schema == SAMPLED_PAIR_SCHEMA
     frame = table.to_pandas()
     rescored = [scorer(frame["prompt"].tolist(), frame[side].tolist()) for side in ("chosen", "rejected")]
@@ -131,14 +132,15 @@ def test_sampled_pairs_rank_as_the_scorer_and_dpo_on_them_raises_its_score(tiny_
 
     before = mean_score(reference, tokenizer, scorer)
     config = CONFIG.model_copy(update=dict(learning_rate=3e-2, batch_size=16, epochs=2))  # ~210 pairs: 26 steps
-    dpo.train(lm, tokenizer, prepared(frame, reference, tokenizer), config, CPU, torch.Generator().manual_seed(0))
+    dpo.train(dpo.PairModel(lm, tokenizer, CPU), prepared(frame, reference, tokenizer), config,
+              torch.Generator().manual_seed(0))
     assert mean_score(lm, tokenizer, scorer) > before + 0.1
 
 
 def test_sample_pairs_needs_two_samples_per_prompt(tiny_gpt2_dir: Path, tokenizer) -> None:
     with pytest.raises(ValueError, match="k must be >= 2"):
-        sample_pairs(load(tiny_gpt2_dir), tokenizer, [[1]], ["x"], 1, RESPONSE_TOKENS, SAMPLING,
-                     TokenShareScorer(tokenizer, 10), 4, 0)
+        sample_pairs(Sampler(load(tiny_gpt2_dir), tokenizer, SAMPLING, 4), Prompts([[1]], ["x"]), 1, RESPONSE_TOKENS,
+                     TokenShareScorer(tokenizer, 10), 0)
 
 
 class Interrupted(Exception):
@@ -166,7 +168,8 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_gpt2_dir: Path,
     pairs = prepared(signal_pairs(32, 0), reference, tokenizer)
 
     def run(lm, steps: list) -> dpo.FitResult:
-        return dpo.train(lm, tokenizer, pairs, config, CPU, torch.Generator().manual_seed(0), fingerprint="run-a",
+        return dpo.train(dpo.PairModel(lm, tokenizer, CPU), pairs, config, torch.Generator().manual_seed(0),
+                         fingerprint="run-a",
                          after_step=lambda step, stats: steps.append((step, stats)))
 
     whole, every_step = load(tiny_gpt2_dir), []
@@ -194,7 +197,7 @@ def test_training_refuses_pairs_without_reference_logprobs_or_fewer_than_a_batch
     lm = load(tiny_gpt2_dir)
     pairs = dpo.encode_pairs(signal_pairs(4, 0), tokenizer, CONFIG.max_length, "pairs")
     with pytest.raises(ValueError, match="no reference log-probs"):
-        dpo.train(lm, tokenizer, pairs, CONFIG, CPU, torch.Generator())
+        dpo.train(dpo.PairModel(lm, tokenizer, CPU), pairs, CONFIG, torch.Generator())
     with pytest.raises(DataError, match=r"^4 training pairs, fewer than dpo.batch_size=8$"):
-        dpo.train(lm, tokenizer, dpo.with_reference(pairs, lm, tokenizer, 4, CPU, "fp32"), CONFIG, CPU,
-                  torch.Generator())
+        policy = dpo.PairModel(lm, tokenizer, CPU)
+        dpo.train(policy, dpo.with_reference(pairs, policy, 4), CONFIG, torch.Generator())

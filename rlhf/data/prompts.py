@@ -26,9 +26,9 @@ class Prompts:
         """Tokens of the longest prompt."""
         return max(map(len, self.input_ids))
 
-    def take(self, indices: Sequence[int]) -> tuple[list[list[int]], list[str]]:
-        """(token ids, texts) of the prompts at ``indices``, in that order."""
-        return [self.input_ids[i] for i in indices], [self.queries[i] for i in indices]
+    def take(self, indices: Sequence[int]) -> Prompts:
+        """The prompts at ``indices``, in that order."""
+        return Prompts([self.input_ids[i] for i in indices], [self.queries[i] for i in indices])
 
 
 def read_prompts(path: Path) -> Prompts:

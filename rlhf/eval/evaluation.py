@@ -18,8 +18,9 @@ import pandas as pd
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf.data.prompts import Prompts
 from rlhf.models.rollout import SamplingParams, forward, response_lengths
-from rlhf.models.runs import Run, best_of_n_run, sample_run, score_run
+from rlhf.models.runs import Run, Sampler, best_of_n_run, score_run
 from rlhf.models.scorers import REWARD, Scorer, positive_threshold
 from rlhf.pipeline.params import Params
 from rlhf.rl.logprobs import logprobs_from_logits
@@ -145,32 +146,32 @@ def samples_table(queries: list[str], runs: dict[str, Run], scores: dict[str, di
 
 
 def evaluate_policy(policy: PreTrainedModel | None, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                    scorers: dict[str, Scorer], queries: list[str], query_ids: list[list[int]],
-                    params: Params) -> tuple[dict[str, float], pd.DataFrame]:
+                    scorers: dict[str, Scorer], prompts: Prompts, params: Params) -> tuple[dict[str, float],
+                                                                                           pd.DataFrame]:
     """Sample both models on the same prompts with the same lengths and seed, score, measure; (metrics, samples).
     ``policy`` None: the policy run is the reward scorer's best of evaluate.best_of_n reference responses (whose
     greedy run is the reference's: N greedy decodes are one)."""
     cfg, e = params.ppo, params.evaluate
-    lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
+    lengths = response_lengths(len(prompts), cfg.response_min_tokens, cfg.response_max_tokens,
                                torch.Generator().manual_seed(params.seed))
     sampling = SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature)
     runs: dict[str, Run] = {}
     for suffix, mode in {"": sampling, **({"_greedy": GREEDY} if e.greedy else {})}.items():
-        runs[f"reference{suffix}"] = sample_run(reference, tokenizer, query_ids, lengths, mode, e.batch_size,
-                                                params.seed, f"sample reference{suffix}")
+        sampler = Sampler(reference, tokenizer, mode, e.batch_size)
+        runs[f"reference{suffix}"] = sampler.run(prompts.input_ids, lengths, params.seed, f"sample reference{suffix}")
         if policy is not None:
-            runs[f"policy{suffix}"] = sample_run(policy, tokenizer, query_ids, lengths, mode, e.batch_size,
-                                                 params.seed, f"sample policy{suffix}")
+            runs[f"policy{suffix}"] = Sampler(policy, tokenizer, mode, e.batch_size).run(
+                prompts.input_ids, lengths, params.seed, f"sample policy{suffix}")
         else:
             runs[f"policy{suffix}"] = runs[f"reference{suffix}"] if suffix else best_of_n_run(
-                reference, tokenizer, scorers[REWARD], queries, query_ids, lengths, mode, e.best_of_n,
-                e.batch_size, params.seed, runs["reference"])
-    scores = {run: score_run(scorers, queries, r.texts, e.batch_size, f"score {run}") for run, r in runs.items()}
+                sampler, scorers[REWARD], prompts.queries, e.best_of_n, runs["reference"])
+    scores = {run: score_run(scorers, prompts.queries, r.texts, e.batch_size, f"score {run}")
+              for run, r in runs.items()}
     stats = {"policy": response_stats(runs["policy"], reference, cfg.temperature, policy),
              "reference": response_stats(runs["reference"], reference, cfg.temperature)}
     metrics = eval_metrics(scores, stats, {run: runs[run].response_ids for run in stats},
                            e.best_of_n if policy is None else None)
-    return metrics, samples_table(queries, runs, scores, stats["policy"])
+    return metrics, samples_table(prompts.queries, runs, scores, stats["policy"])
 
 
 def _cell(value: object) -> str:

@@ -16,10 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.models.rollout import SamplingParams
-from rlhf.models.runs import sample_run, score_run
+from rlhf.models.runs import Sampler, score_run
 from rlhf.models.scorers import REWARD, Scorer, positive_threshold
 from rlhf.rl import optimum as opt
 from rlhf.rl.preference import best_of_n_kl
@@ -33,12 +31,10 @@ MIN_ESS = 10.0
 SATURATION = 1.0
 
 
-def draw_pool(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids: list[list[int]],
-              lengths: list[int], n: int, sampling: SamplingParams, batch_size: int, seed: int) -> pd.DataFrame:
+def draw_pool(reference: Sampler, query_ids: list[list[int]], lengths: list[int], n: int, seed: int) -> pd.DataFrame:
     """``n`` responses of the reference to each prompt at its length: columns prompt, sample, response, length."""
-    ids = [q for q in query_ids for _ in range(n)]
-    run = sample_run(reference, tokenizer, ids, [length for length in lengths for _ in range(n)], sampling,
-                     batch_size, seed, desc=f"sample {n} per prompt")
+    run = reference.run([q for q in query_ids for _ in range(n)], [length for length in lengths for _ in range(n)],
+                        seed, desc=f"sample {n} per prompt")
     return pd.DataFrame({"prompt": np.repeat(np.arange(len(query_ids)), n), "sample": np.tile(np.arange(n),
                                                                                                len(query_ids)),
                          "response": run.texts, "length": [len(r) for r in run.response_ids]})

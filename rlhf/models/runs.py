@@ -18,26 +18,37 @@ from rlhf.rl.preference import best_of_n
 
 @dataclass
 class Run:
-    """One model's responses to every eval prompt, batch by batch as generate() returned them."""
+    """One model's responses to every eval prompt, batch by batch as generate() returned them, and what drew them."""
 
     batches: list[Samples]
     texts: list[str]
+    query_ids: list[list[int]]
+    lengths: list[int]
+    seed: int
 
     @property
     def response_ids(self) -> list[list[int]]:
         return [r[m].tolist() for s in self.batches for r, m in zip(s.responses, s.response_mask, strict=True)]
 
 
-def sample_run(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids: list[list[int]],
-               lengths: list[int], sampling: SamplingParams, batch_size: int, seed: int, desc: str) -> Run:
-    """Responses to every query through the training sampler; reseeding first gives every run the same draws."""
-    torch.manual_seed(seed)
-    batches, texts = [], []
-    for start in tqdm(range(0, len(query_ids), batch_size), desc=desc, unit="batch"):
-        end = start + batch_size
-        batches.append(generate(lm, tokenizer, query_ids[start:end], lengths[start:end], sampling))
-        texts += decode_responses(tokenizer, batches[-1])
-    return Run(batches, texts)
+@dataclass(frozen=True)
+class Sampler:
+    """A model answering prompts through the training sampler, ``batch_size`` prompts at a time."""
+
+    lm: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    sampling: SamplingParams
+    batch_size: int
+
+    def run(self, query_ids: list[list[int]], lengths: list[int], seed: int, desc: str) -> Run:
+        """Responses to every query; reseeding first gives every run the same draws."""
+        torch.manual_seed(seed)
+        batches, texts = [], []
+        for start in tqdm(range(0, len(query_ids), self.batch_size), desc=desc, unit="batch"):
+            end = start + self.batch_size
+            batches.append(generate(self.lm, self.tokenizer, query_ids[start:end], lengths[start:end], self.sampling))
+            texts += decode_responses(self.tokenizer, batches[-1])
+        return Run(batches, texts, query_ids, lengths, seed)
 
 
 def score_run(scorers: dict[str, Scorer], queries: list[str], responses: list[str], batch_size: int,
@@ -51,14 +62,12 @@ def score_run(scorers: dict[str, Scorer], queries: list[str], responses: list[st
     return {name: torch.cat(c).float().numpy() for name, c in chunks.items()}
 
 
-def best_of_n_run(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, scorer: Scorer, queries: list[str],
-                  query_ids: list[list[int]], lengths: list[int], sampling: SamplingParams, n: int, batch_size: int,
-                  seed: int, first: Run) -> Run:
-    """The ``scorer``'s best of ``n`` reference responses to each query, with the same lengths. Draw 0 is ``first``,
-    the reference's own run (so best of 1 is the reference); draw j is sampled with seed + j."""
-    draws = [first] + [sample_run(reference, tokenizer, query_ids, lengths, sampling, batch_size, seed + j,
-                                  f"sample best-of-{n} draw {j}") for j in range(1, n)]
-    scores = torch.stack([torch.from_numpy(score_run({"best": scorer}, queries, draw.texts, batch_size,
+def best_of_n_run(sampler: Sampler, scorer: Scorer, queries: list[str], n: int, first: Run) -> Run:
+    """The ``scorer``'s best of ``n`` responses of ``sampler`` to each query, with ``first``'s lengths. Draw 0 is
+    ``first``, the sampler's own run (so best of 1 is that run); draw j is sampled with ``first``'s seed + j."""
+    draws = [first] + [sampler.run(first.query_ids, first.lengths, first.seed + j, f"sample best-of-{n} draw {j}")
+                       for j in range(1, n)]
+    scores = torch.stack([torch.from_numpy(score_run({"best": scorer}, queries, draw.texts, sampler.batch_size,
                                                      f"score best-of-{n} draw {j}")["best"])
                           for j, draw in enumerate(draws)], 1)  # (P, n)
     best = best_of_n(scores)  # (P,)
@@ -73,4 +82,5 @@ def best_of_n_run(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
         batches.append(Samples(chosen("query_responses"), chosen("attention_mask"), samples.context_length,
                                chosen("response_mask"), chosen("has_eos")))
-    return Run(batches, [draws[j].texts[i] for i, j in enumerate(best.tolist())])
+    return Run(batches, [draws[j].texts[i] for i, j in enumerate(best.tolist())], first.query_ids, first.lengths,
+               first.seed)

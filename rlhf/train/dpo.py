@@ -198,6 +198,20 @@ def pair_samples(pairs: PairSet, idx: list[int], tokenizer: PreTrainedTokenizerB
                    response_mask, has_eos)
 
 
+@dataclass(frozen=True)
+class PairModel:
+    """A causal LM computing pairs' log-probs: its tokenizer, device and ``model.precision`` go where it goes."""
+
+    lm: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    precision: str = "fp32"
+
+    def logprobs(self, pairs: PairSet, idx: list[int]) -> torch.Tensor:
+        """(2b,) sequence log-probs of the chosen then the rejected responses of the pairs ``idx``."""
+        return sequence_logprobs(self.lm, pair_samples(pairs, idx, self.tokenizer, self.device), self.precision)
+
+
 def sequence_logprobs(lm: PreTrainedModel, samples: Samples, precision: str) -> torch.Tensor:
     """(rows,) log pi(response | prompt) of every row, under ``model.precision``'s autocast (fp32 log-probs)."""
     with autocast(samples.query_responses.device, precision):
@@ -206,24 +220,22 @@ def sequence_logprobs(lm: PreTrainedModel, samples: Samples, precision: str) -> 
 
 
 @torch.no_grad()
-def with_reference(pairs: PairSet, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                   batch_size: int, device: torch.device, precision: str) -> PairSet:
+def with_reference(pairs: PairSet, reference: PairModel, batch_size: int) -> PairSet:
     """``pairs`` with the reference's (N, 2) sequence log-probs of (chosen, rejected): one pass (the ref_logprobs
     stage's), for every epoch and every run on these pairs (the reference is frozen, so they never change)."""
-    reference.eval()
+    reference.lm.eval()
     parts = []
     for start in tqdm(range(0, len(pairs), batch_size), desc="reference log-probs", unit="batch"):
         idx = list(range(start, min(start + batch_size, len(pairs))))
-        both = sequence_logprobs(reference, pair_samples(pairs, idx, tokenizer, device), precision)  # (2b,)
-        parts.append(both.view(2, -1).T.cpu())
+        parts.append(reference.logprobs(pairs, idx).view(2, -1).T.cpu())
     return dataclasses.replace(pairs, ref_logprobs=torch.cat(parts))
 
 
-def pair_losses(lm: PreTrainedModel, pairs: PairSet, idx: list[int], tokenizer: PreTrainedTokenizerBase,
-                config: DpoParams, device: torch.device, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_losses(policy: PairModel, pairs: PairSet, idx: list[int], config: DpoParams) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
     """((b,) per-pair losses, (b, 2) policy sequence log-probs of (chosen, rejected)) of the pairs ``idx``."""
-    logprobs = sequence_logprobs(lm, pair_samples(pairs, idx, tokenizer, device), precision).view(2, -1).T
-    ref = pairs.ref_logprobs[idx].to(device)
+    logprobs = policy.logprobs(pairs, idx).view(2, -1).T
+    ref = pairs.ref_logprobs[idx].to(policy.device)
     if config.loss == "dpo":
         losses = pref.dpo_loss(logprobs[:, 0], logprobs[:, 1], ref[:, 0], ref[:, 1], config.beta,
                                config.label_smoothing)
@@ -264,9 +276,9 @@ def total_steps(n_pairs: int, config: DpoParams) -> int:
     return config.epochs * (n_pairs // config.batch_size)
 
 
-def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoParams,
-          device: torch.device, generator: torch.Generator, precision: str = "fp32", fingerprint: str | None = None,
-          after_step: Callable[[int, dict[str, float]], None] | None = None) -> FitResult:
+def train(policy: PairModel, pairs: PairSet, config: DpoParams, generator: torch.Generator,
+          fingerprint: str | None = None, after_step: Callable[[int, dict[str, float]], None] | None = None
+          ) -> FitResult:
     """``config.epochs`` passes over ``pairs`` (reference log-probs included), each in a fresh order drawn from
     ``generator``, by full batches. Dropout is switched off in ``lm``: a policy equal to the reference must give
     log-ratios of 0, not noise. With ``config.checkpoint_every`` and a ``fingerprint`` of what determines the run
@@ -275,12 +287,13 @@ def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSe
     _require_reference(pairs, "dpo.train")
     if len(pairs) < config.batch_size:
         raise DataError(f"{len(pairs)} training pairs, fewer than {SECTION}.batch_size={config.batch_size}")
+    lm = policy.lm
     disable_dropout(lm)
     batch_stats: dict[str, float] = {}
 
     def loss(order: torch.Tensor) -> torch.Tensor:
         idx = order.tolist()
-        losses, logprobs = pair_losses(lm, pairs, idx, tokenizer, config, device, precision)
+        losses, logprobs = pair_losses(policy, pairs, idx, config)
         batch_stats.update(pair_stats(losses.detach(), logprobs.detach().cpu(), pairs.ref_logprobs[idx], config))
         return losses.mean()
 
@@ -294,16 +307,16 @@ def train(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSe
 
 
 @torch.no_grad()
-def evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: PairSet, config: DpoParams,
-             device: torch.device, precision: str = "fp32", batch_size: int = 64) -> dict[str, float]:
+def evaluate(policy: PairModel, pairs: PairSet, config: DpoParams, batch_size: int = 64) -> dict[str, float]:
     """The ``pair_stats`` of held-out pairs."""
     _require_reference(pairs, "dpo.evaluate")
+    lm = policy.lm
     was_training = lm.training
     lm.eval()
     losses, logprobs = [], []
     for start in range(0, len(pairs), batch_size):
         idx = list(range(start, min(start + batch_size, len(pairs))))
-        batch_losses, batch_logprobs = pair_losses(lm, pairs, idx, tokenizer, config, device, precision)
+        batch_losses, batch_logprobs = pair_losses(policy, pairs, idx, config)
         losses.append(batch_losses.cpu())
         logprobs.append(batch_logprobs.cpu())
     lm.train(was_training)
