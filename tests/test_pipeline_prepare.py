@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -62,6 +63,7 @@ def test_stage_outputs(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> No
 def run_in_process(project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> str:
     """run_stage(main) as ``python -m stages.prepare`` runs it, minus the interpreter start; the error line or ''."""
     monkeypatch.chdir(project)
+    monkeypatch.setattr(sys, "argv", [prepare.__file__])  # no arguments, whatever pytest was given
     try:
         run_stage(prepare.main)
     except SystemExit as e:
