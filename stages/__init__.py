@@ -8,6 +8,9 @@ is imported on behalf of ``-m`` (sys.argv[0] is "-m" until the module is found):
   the handlers that keep checkpoints once the stage starts;
 - the stage takes DVC's experiments lock on the workspace (rlhf/pipeline/under_dvc.py) before anything else, so that
   a ``dvc exp run`` started beside it is refused by DVC before it rewrites params.yaml.
+
+A stage that params switch off (all but prepare and evaluate) imports its model and data code inside the functions
+that run when it is on: off, it writes its marker in about a second, without loading transformers.
 """
 
 import os

@@ -20,15 +20,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from rlhf.models.loading import initial_policy, load_initial_policy, save_pretrained
-from rlhf.models.lora import add_lora
-from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, run_switchable, write_json
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import DPO_CURVES, DPO_DIR, DPO_METRICS, checkpoint_dir
-from rlhf.train import checkpoint, dpo
-from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("dpo")
 
@@ -46,6 +41,13 @@ def main() -> None:
 
 
 def train_dpo(params: Params, outputs: StagedOutputs) -> None:
+    # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    from rlhf.models.loading import load_initial_policy, save_pretrained
+    from rlhf.models.lora import add_lora
+    from rlhf.models.precision import pick_device
+    from rlhf.train import checkpoint, dpo
+    from rlhf.train.rng import seed_everything
+
     cfg = params.dpo
     frames = dpo.read_pair_files(cfg.pairs, cfg.batch_size)
     ref_logprobs = dpo.read_reference(dpo.reference_key(params))
@@ -80,6 +82,9 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
 
 def run_fingerprint(params: Params) -> str:
     """What determines a dpo run: the params the stage reads (not the checkpoint interval) and its inputs."""
+    from rlhf.models.loading import initial_policy
+    from rlhf.train import checkpoint, dpo
+
     initial = initial_policy(params)
     return checkpoint.fingerprint("dpo", params, [dpo.PAIR_FILES[params.dpo.pairs][0], initial.path,
                                                   initial.tokenizer],

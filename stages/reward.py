@@ -12,18 +12,11 @@ from __future__ import annotations
 
 import logging
 
-from rlhf.data.pairs import read_pairs
-from rlhf.eval.plots import histogram
-from rlhf.models.loading import save_pretrained
-from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import REWARD_DIR, REWARD_METRICS, REWARD_SCORES, TEST_PAIRS, TRAIN_PAIRS
-from rlhf.train.checkpoint import weights_bytes
-from rlhf.train.reward_model import build, evaluate, train
-from rlhf.train.rng import seed_everything
 
 STAGE = "reward"
 # what to lower when the GPU runs out of memory
@@ -38,6 +31,15 @@ def main() -> None:
 
 
 def train_reward(params: Params, outputs: StagedOutputs) -> None:
+    # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    from rlhf.data.pairs import read_pairs
+    from rlhf.eval.plots import histogram
+    from rlhf.models.loading import save_pretrained
+    from rlhf.models.precision import pick_device
+    from rlhf.train.checkpoint import weights_bytes
+    from rlhf.train.reward_model import build, evaluate, train
+    from rlhf.train.rng import seed_everything
+
     generator = seed_everything(params.seed)
     train_pairs, test_pairs = read_pairs(TRAIN_PAIRS), read_pairs(TEST_PAIRS)
     if len(train_pairs) < params.reward.batch_size:

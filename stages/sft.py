@@ -12,19 +12,10 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-import pandas as pd
-
-from rlhf.data.imdb import filter_reviews, load_imdb
-from rlhf.models.loading import check_vocab_match, load_tokenizer, save_pretrained
-from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import SFT_DIR, SFT_LOSS, SFT_METRICS
-from rlhf.train.checkpoint import weights_bytes
-from rlhf.train.rng import seed_everything
-from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
 
 EVAL_BATCH = 16
 
@@ -41,6 +32,17 @@ def main() -> None:
 
 
 def train_sft(params: Params, outputs: StagedOutputs) -> None:
+    # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    import numpy as np
+    import pandas as pd
+
+    from rlhf.data.imdb import filter_reviews, load_imdb
+    from rlhf.models.loading import check_vocab_match, load_tokenizer, save_pretrained
+    from rlhf.models.precision import pick_device
+    from rlhf.train.checkpoint import weights_bytes
+    from rlhf.train.rng import seed_everything
+    from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
+
     s = params.sft
     generator = seed_everything(params.seed)
     tokenizer_path = params.model.tokenizer or (s.base if s.base != "scratch" else params.model.policy)

@@ -15,7 +15,7 @@ from conftest import dvc, set_params
 from helpers import ran_stages
 
 # the switched-off ones run too, writing a marker
-ALL_STAGES = {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate"}
+ALL_STAGES = {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate", "optimum"}
 
 
 def git_commit(project: Path, message: str) -> None:

@@ -37,6 +37,7 @@ from rlhf.pipeline.errors import ModelError, PipelineError, TrainingError
 from rlhf.pipeline.io import StagedOutputs, atomic_path, write_text
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.wiring import stages, wiring
+from rlhf.train.ppo_trainer import PPOTrainer
 from stages import ppo as ppo_stage
 from stages import reward as reward_stage
 
@@ -443,14 +444,14 @@ def test_params_changed_while_a_stage_runs_keep_its_outputs_from_being_replaced(
     project = stage_project("ppo")
     previous = plant_outputs(project, "ppo")
     monkeypatch.chdir(project)
-    real = ppo_stage.PPOTrainer.step
+    real = PPOTrainer.step
 
     def step_then_edit(self: object, *args: object, **kwargs: object) -> object:
         if args[-1] == 2:  # the step after the first checkpoint: another process writes params.yaml
             set_params(project, **{"ppo.learning_rate": 2e-5})
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ppo_stage.PPOTrainer, "step", step_then_edit)
+    monkeypatch.setattr(PPOTrainer, "step", step_then_edit)
     with pytest.raises(PipelineError, match=r"^params.yaml changed while ppo ran \(ppo.learning_rate: 1\.41e-05 -> "
                                             r"2e-05\): its outputs were not replaced"):
         ppo_stage.main()

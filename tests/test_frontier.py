@@ -30,6 +30,7 @@ from rlhf.eval.frontier import (
     same,
     write_frontier,
 )
+from rlhf.pipeline.paths import OPTIMUM_CURVE
 from tools.frontier import DEFAULT_KL_COEFS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,7 +337,7 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
     limit = full[full["series"] == "optimum"]
     assert limit["point"].iloc[0] == "reference" and (limit["kl.mean"].diff().dropna() > 0).all()
     assert set(full[full["series"] == "best-of-n pool"]["point"]) == {"reference", "n2", "n4", "n8"}
-    committed = git(project, "show", f"{shown_rev(project, 'tiny-kl0.5')}:{optimum.CURVE.as_posix()}")
+    committed = git(project, "show", f"{shown_rev(project, 'tiny-kl0.5')}:{OPTIMUM_CURVE.as_posix()}")
     curve = pd.read_csv(io.StringIO(committed))
     for _, row in table.iloc[1:].iterrows():
         gain = row["policy.positive_rate"] - shown[row["experiment"]]["metrics"]["metrics/eval.json"]["data"][

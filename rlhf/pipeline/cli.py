@@ -17,6 +17,8 @@ from pathlib import Path
 from rlhf.pipeline.errors import PipelineError, is_disk_full, is_out_of_memory
 from rlhf.pipeline.paths import checkpoint_dir, checkpoints, output_path
 
+STARTED = time.perf_counter()  # about when the process started: stages/__init__.py imports this module first
+
 
 def stage_help(stage: str, root: Path) -> str:
     """``python -m stages.<stage> --help``: the script's docstring (what it reads and writes) and the params that
@@ -93,11 +95,10 @@ def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> Non
         raise SystemExit(2)
     stop_signals(raise_interrupt)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    start = time.perf_counter()
     try:
         main()
-        if stage is not None:
-            logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - start)
+        if stage is not None:  # the wall time, imports included
+            logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - STARTED)
     except KeyboardInterrupt as e:
         stop_signals(signal.SIG_IGN)  # a second Ctrl-C must not add a traceback to the one line
         message = interrupted_message(stage, getattr(e, "step", None))

@@ -44,6 +44,10 @@ EVAL_METRICS = Path("metrics/eval.json")
 EVAL_REPORT_DIR = Path("metrics/evaluate")
 EVAL_REPORT = EVAL_REPORT_DIR / "report.md"
 EVAL_HISTOGRAM = EVAL_REPORT_DIR / "score_histogram.csv"
+OPTIMUM_POOL = Path("data/optimum/pool.parquet")
+OPTIMUM_METRICS = Path("metrics/optimum.json")
+OPTIMUM_CURVE = Path("metrics/optimum/curve.csv")  # read by the frontier from each experiment's commit
+OPTIMUM_BEST_OF_N = Path("metrics/optimum/best_of_n.csv")
 
 STAGED = ".staged"
 
