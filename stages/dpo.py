@@ -36,8 +36,8 @@ DISABLED = "method is not dpo: evaluate reads the method's own policy"
 
 def main() -> None:
     params = load_params(STAGE)
-    run_switchable(STAGE, params.method == "dpo", lambda outputs: train_dpo(params, outputs), DPO_DIR,
-                   DISABLED, {DPO_METRICS: '{"trained": false}\n', DPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
+    run_switchable(STAGE, params.method == "dpo", lambda outputs: train_dpo(params, outputs), DPO_DIR, DISABLED,
+                   {DPO_METRICS: '{"dpo": {"trained": false}}\n', DPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
 
 
 def train_dpo(params: Params, outputs: StagedOutputs) -> None:
@@ -73,9 +73,9 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     save_pretrained(lm, tokenizer, outputs[DPO_DIR])
     history.write_curves(outputs[DPO_CURVES])
     tail = result.losses[-20:]
-    write_json({"trained": True, "train_pairs": len(train_pairs),
-                "test_pairs": len(test_pairs), "steps": len(result.losses), "seconds": round(result.seconds, 1),
-                "train_loss": round(sum(tail) / len(tail), 4), **held_out}, outputs[DPO_METRICS])
+    write_json({"dpo": {"trained": True, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
+                        "steps": len(result.losses), "seconds": round(result.seconds, 1),
+                        "train_loss": round(sum(tail) / len(tail), 4), **held_out}}, outputs[DPO_METRICS])
     log.info("dpo: held-out implicit-reward accuracy %.3f, margin %.3f", held_out["eval/rewards/accuracies"],
              held_out["eval/rewards/margins"])
 

@@ -64,7 +64,7 @@ def main() -> None:
     params = load_params(STAGE)
     if params.method != "ppo":
         with StagedOutputs.of(STAGE) as outputs:
-            write_disabled(outputs, POLICY_DIR, DISABLED, {PPO_METRICS: '{"trained": false}\n',
+            write_disabled(outputs, POLICY_DIR, DISABLED, {PPO_METRICS: '{"ppo": {"trained": false}}\n',
                                                            ROLLOUTS_DIR / DISABLED_MARKER: DISABLED + "\n",
                                                            PPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
         return
@@ -130,10 +130,14 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
 
     if is_main:
         save_policy(trainer.policy, tokenizer, outputs[POLICY_DIR])
-        summary = {"steps": cfg.steps, "processes": accelerator.num_processes,
-                   "seconds": round(time.perf_counter() - start, 1), "skipped_batches": trainer.skipped_batches,
-                   **{k: v for k, v in last.items() if k.startswith(("objective/", "throughput/"))}}
-        write_json(summary, outputs[PPO_METRICS])
+        seconds = time.perf_counter() - start
+        # the run's throughput (the steps since a resume, every process's samples) and the last step's objective
+        samples = (cfg.steps - (found.step + 1 if found is not None else 0)) * cfg.batch_size
+        summary = {"trained": True, "processes": accelerator.num_processes, "seconds": round(seconds, 1),
+                   "skipped_batches": trainer.skipped_batches,
+                   "throughput/samples_per_s": round(samples * accelerator.num_processes / seconds, 2),
+                   **{k: v for k, v in last.items() if k.startswith("objective/")}}
+        write_json({"ppo": summary}, outputs[PPO_METRICS])
         log.info("ppo: %s", summary)
 
 

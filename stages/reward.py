@@ -27,7 +27,7 @@ def main() -> None:
     params = load_params(STAGE)
     run_switchable(STAGE, params.reward.train, lambda outputs: train_reward(params, outputs),
                    REWARD_DIR, "reward.train is false: ppo and evaluate score with reward.model",
-                   {REWARD_METRICS: '{"trained": false}\n', REWARD_SCORES: "score,positive,negative\n"})
+                   {REWARD_METRICS: '{"reward": {"trained": false}}\n', REWARD_SCORES: "score,positive,negative\n"})
 
 
 def train_reward(params: Params, outputs: StagedOutputs) -> None:
@@ -58,7 +58,7 @@ def train_reward(params: Params, outputs: StagedOutputs) -> None:
                "rejected_score_mean": round(rejected.mean().item(), 4),
                "train_loss": round(sum(result.losses[-20:]) / len(result.losses[-20:]), 4),
                "pairs": len(train_pairs), "seconds": round(result.seconds, 1)}
-    write_json(metrics, outputs[REWARD_METRICS])
+    write_json({"reward": metrics}, outputs[REWARD_METRICS])
     write_text(histogram({"positive": chosen.numpy(), "negative": rejected.numpy()}, x="score").to_csv(index=False),
                outputs[REWARD_SCORES])
     logging.getLogger("reward").info("reward: held-out pair accuracy %.3f", metrics["accuracy"])

@@ -28,7 +28,7 @@ def main() -> None:
     params = load_params(STAGE)
     run_switchable(STAGE, params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
                    "sft.enabled is false: ppo and evaluate use model.policy",
-                   {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
+                   {SFT_METRICS: '{"sft": {"trained": false}}\n', SFT_LOSS: "step,loss\n"})
 
 
 def train_sft(params: Params, outputs: StagedOutputs) -> None:
@@ -64,9 +64,10 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     ppl = perplexity(lm, held_out, EVAL_BATCH, device)
     save_pretrained(lm, tokenizer, outputs[SFT_DIR])
     tail, tokens = result.losses[-20:], len(result.losses) * tokens_per_step(s)
-    write_json({"enabled": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
-                "tokens": tokens, "tokens_per_s": round(tokens / result.seconds, 1),
-                "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}, outputs[SFT_METRICS])
+    write_json({"sft": {"trained": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
+                        "tokens": tokens, "tokens_per_s": round(tokens / result.seconds, 1),
+                        "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}},
+               outputs[SFT_METRICS])
     write_text("step,loss\n" + "".join(f"{step},{loss:.5f}\n" for step, loss in enumerate(result.losses)),
                outputs[SFT_LOSS])
     logging.getLogger("sft").info("sft: held-out perplexity %.2f after %d tokens", ppl, tokens)

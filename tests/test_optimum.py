@@ -171,7 +171,7 @@ def test_the_pool_is_sampled_as_evaluate_samples(optimum_dir: Path) -> None:
     assert pool["response"].tolist() == samples["response_before"].tolist()
     assert pool["reward"].tolist() == pytest.approx(samples["reward_before"].tolist(), abs=1e-6)
     assert pool["vader"].tolist() == pytest.approx(samples["judge_vader_before"].tolist(), abs=1e-6)
-    reference = json.loads(EVAL_METRICS.read_text())["reference.positive_rate"]
+    reference = json.loads(EVAL_METRICS.read_text())["reward.reference_positive_rate"]
     assert pd.read_csv(OPTIMUM_CURVE).iloc[0]["reward.positive_rate"] == pytest.approx(reference)
 
 

@@ -65,12 +65,12 @@ def local_scripts(html: str) -> str:
 def fake_frontier(project: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A two-series frontier written by the frontier tool's own writer, the second with two seeds (error bars);
     return the chart's plot id."""
-    reference = {"experiment": "", "point": "reference", "kl.mean": 0.0, "policy.positive_rate": 0.41,
+    reference = {"experiment": "", "point": "reference", "kl.mean": 0.0, "reward.policy_positive_rate": 0.41,
                  "judge.vader.policy_positive_rate": 0.36}
     rows = [{**reference, "series": "ppo"}, {**reference, "series": "rloo"}]
     for series, shift, seed in (("ppo", 0.0, None), ("rloo", 0.05, 0), ("rloo", 0.08, 1)):
         rows += [{"experiment": f"cpu-{series}-kl{c}", "series": series, "point": f"kl{c}", "seed": seed,
-                  "kl.mean": kl + shift, "policy.positive_rate": rm + shift,
+                  "kl.mean": kl + shift, "reward.policy_positive_rate": rm + shift,
                   "judge.vader.policy_positive_rate": vader + shift}
                  for c, kl, rm, vader in ((0.4, 1.6, 0.52, 0.44), (0.2, 4.8, 0.68, 0.55), (0.05, 7.9, 0.8, 0.5))]
     monkeypatch.chdir(project)

@@ -138,7 +138,7 @@ def test_ppo_best_of_n_sampled_pairs_evaluate_and_the_optimum_score_with_the_fun
             length_bonus(samples["query"], samples[f"response_{side}"]))
     assert (samples["reward_after"] >= samples["reward_before"]).all()  # the best of 3, the first of them "before"
     assert "Reward: 1 x `rewards.text:length_bonus`." in Path("metrics/evaluate/report.md").read_text()
-    assert json.loads(Path("metrics/eval.json").read_text())["policy.reward_mean"] == pytest.approx(
+    assert json.loads(Path("metrics/eval.json").read_text())["reward.policy_mean"] == pytest.approx(
         samples["reward_after"].mean())
 
     set_params(ppo_project, **{"optimum.samples_per_prompt": 2})

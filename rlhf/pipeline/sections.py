@@ -311,7 +311,7 @@ class EvaluateParams(Section):
     judge.<name>.* use 'vader' or the model's last path component, sanitized ('lvwerra/distilbert-imdb' ->
     'distilbert-imdb')."""
     greedy: bool
-    """Also run a greedy-decoding pass of both models and report its scores (keys policy_greedy.*, ...)."""
+    """Also run a greedy-decoding pass of both models and report its scores (keys reward.policy_greedy_*, ...)."""
     batch_size: int = Field(gt=0)
     """Prompts per generate/score/forward batch."""
     examples: int = Field(ge=0)
