@@ -34,6 +34,7 @@ from tools.presets import (
     add_input_flags,
     as_override,
     copy_inputs,
+    dvc,
     flatten,
     load_preset,
     local_inputs,
@@ -49,15 +50,6 @@ NO_PRESET = "params"  # the name of a sweep over params.yaml as committed
 DEFAULT_KL_COEFS = [0.1, 0.15, 0.2, 0.3, 0.4]
 POLL_SECONDS = 5  # between two looks at the queue: a point takes minutes
 IDLE_POLLS = 6  # looks that find our points queued and no worker at all before the queue counts as stalled
-
-
-def dvc(*args: str) -> str:
-    """Run a read-only dvc command and return its stdout; its last error line when it fails."""
-    result = run_dvc(["dvc", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
-        raise PipelineError(f"dvc {' '.join(args)} failed: {lines[-1]}")
-    return result.stdout
 
 
 def head_experiments() -> tuple[dict[str, Any], dict[str, Any], dict[str, dict]]:

@@ -167,6 +167,15 @@ def run_dvc(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
                             "their environment)") from None
 
 
+def dvc(*args: str) -> str:
+    """Run a read-only dvc command and return its stdout; its last error line when it fails."""
+    result = run_dvc(["dvc", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
+        raise PipelineError(f"dvc {' '.join(args)} failed: {lines[-1]}")
+    return result.stdout
+
+
 def add_input_flags(parser: argparse.ArgumentParser) -> None:
     """--imdb and --tokenizer: where to copy a preset's local inputs from, needed only when they are missing."""
     parser.add_argument("--imdb", type=Path, help=f"local IMDb Parquet folder, copied to {LOCAL_INPUTS['imdb']} "
