@@ -87,7 +87,7 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
 
     write_parquet(pa.Table.from_pandas(samples, preserve_index=False), outputs[EVAL_SAMPLES])
     scores = {"before": samples["reward_before"].to_numpy(), "after": samples["reward_after"].to_numpy()}
-    write_text(histogram(scores, x="bin").to_csv(index=False), outputs[EVAL_HISTOGRAM])
+    write_text(histogram(scores, x="bin", reference="before").to_csv(index=False), outputs[EVAL_HISTOGRAM])
     write_text(markdown_report(samples, metrics, list(scorers), params.evaluate.examples,
                                describe(params, len(samples)), after(params)), outputs[EVAL_REPORT])
     write_json(metrics, outputs[EVAL_METRICS])
