@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 FAST_GELU = "gelu_pytorch_tanh"
+# the way on when a Hub id cannot be had because the Hub cannot be reached
+NO_HUB = ("without the Hub, the offline recipe trains its own models: python -m tools.recipe offline-cpu --imdb "
+          "<IMDb folder> --tokenizer <GPT-2 tokenizer folder> (README)")
 
 
 def _load_kwargs(name: str, model: ModelParams) -> dict[str, Any]:
@@ -65,14 +68,14 @@ def unreachable_hub_id(value: str, repo_type: str) -> str | None:
         if (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=value, repo_type=repo_type)).is_dir():
             return None
         if constants.HF_HUB_OFFLINE:
-            return "HF_HUB_OFFLINE is set and it is not in the Hub cache"
+            return f"HF_HUB_OFFLINE is set and it is not in the Hub cache; {NO_HUB}"
         HfApi().repo_info(value, repo_type=repo_type, timeout=10)
     except (RepositoryNotFoundError, HFValidationError) as e:
         return str(e).splitlines()[0]
     except HfHubHTTPError:
         return None
     except Exception as e:  # offline mode, DNS, refused or timed-out connections: each its own type
-        return f"cannot reach the Hub: {str(e).splitlines()[0]}"
+        return f"cannot reach the Hub: {str(e).splitlines()[0]}; {NO_HUB}"
     return None
 
 
