@@ -26,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.activations import ACT2FN, NewGELUActivation
+from transformers.utils import logging as hf_logging
 
 from rlhf.models.lora import merge_adapters
 from rlhf.pipeline.errors import ModelError
@@ -188,6 +189,9 @@ def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, ne
     check_local_dir(name, what)
     check_weights_format(name, what, model.allow_pickle)
     check_safetensors(name, what)
+    verbosity = hf_logging.get_verbosity()
+    if new_head:  # transformers' load report would list the new head as missing: expected, and checked below
+        hf_logging.set_verbosity_error()
     try:
         loaded, info = auto_cls.from_pretrained(
             name, use_safetensors=None if model.allow_pickle else True, output_loading_info=True,
@@ -195,6 +199,8 @@ def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, ne
         )
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise ModelError(f"{what}: cannot load a model from {name!r}: {str(e).splitlines()[0]}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     missing = sorted(key for key in info["missing_keys"]
                      if not (new_head and not key.startswith(loaded.base_model_prefix)))
     if missing:
