@@ -133,11 +133,11 @@ def test_a_model_whose_weights_do_not_cover_it_or_made_for_another_task_is_refus
 
 
 def test_a_reward_models_new_head_loads_without_transformers_report_and_a_lacking_backbone_is_still_refused(
-        tiny_gpt2_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+        tiny_gpt2_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The score head a reward model gets on a causal LM is new by design: transformers' load report listing it as
     missing was noise in every reward stage. The backbone's own missing tensors are still an error."""
     model = load_sequence_classifier(str(tiny_gpt2_dir), defaults().model, "reward.base", new_head=True, num_labels=1)
-    assert model.score.out_features == 1 and "LOAD REPORT" not in capfd.readouterr().err
+    assert model.score.out_features == 1 and "LOAD REPORT" not in caplog.text
     lacking = shutil.copytree(tiny_gpt2_dir, tmp_path / "lacking")
     tensors = load_file(lacking / "model.safetensors")
     save_file({k: v for k, v in tensors.items() if "h.1.mlp.c_fc" not in k}, lacking / "model.safetensors",
