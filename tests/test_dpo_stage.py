@@ -197,7 +197,7 @@ def test_method_dpo_on_sampled_pairs_through_dvc(project: Path, imdb_dir: Path, 
         "evaluate.batch_size": 8, "evaluate.examples": 2, "method": "dpo", "dpo.pairs": "sampled", **TINY_DPO,
         "dpo.checkpoint_every": 0})
     assert ran_stages(dvc(project, "repro")) == {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs",
-                                                 "dpo", "evaluate"}
+                                                 "dpo", "evaluate", "optimum"}
     assert [p.name for p in (project / POLICY_DIR).iterdir()] == [DISABLED_MARKER], "ppo did not train"
     assert json.loads((project / DPO_METRICS).read_text())["dpo"]["trained"]
     assert json.loads((project / "metrics/eval.json").read_text())["kl.full_mean"] > 0, "evaluate read models/dpo"

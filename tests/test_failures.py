@@ -209,7 +209,7 @@ LOSS = r"^rlhf/train/sft\.py:train\.<locals>\.loss$"  # one call per micro-batch
     ("ppo", r"safetensors/torch\.py:save_file$", 2, "disk-full", "error: disk full writing models/policy", 1),
     ("ppo", r"pyarrow/parquet/core\.py:write_table$", 1, "disk-full",
      "error: disk full writing data/rollouts/steps-000000-000001.parquet", 1),
-    ("ppo", r"safetensors/torch\.py:save_model$", 1, "disk-full",
+    ("ppo", r"safetensors/torch\.py:save_file$", 1, "disk-full",
      "error: disk full writing data/checkpoints/ppo/step-000001", 1),
     # Ctrl-C before and after the first checkpoint (a real SIGINT: test_resume's kill test)
     ("sft", LOSS, 3, "interrupt", "interrupted at step 2; nothing written", 130),

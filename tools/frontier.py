@@ -45,8 +45,8 @@ from tools.presets import (
 )
 
 NO_PRESET = "params"  # the name of a sweep over params.yaml as committed
-# on offline-cpu (BENCHMARKS.md) 0.4 gave 1.7 nats, 0.25 3.7 and 0.1 11.4 (where the policy collapses onto stock
-# phrases): this grid spans that useful range, denser around the presets' 0.2
+# on offline-cpu (docs/experiments.md) the useful range of KL is spanned by these, from a few nats to the coefficients
+# where the policy collapses onto stock phrases; denser around the presets' 0.2
 DEFAULT_KL_COEFS = [0.1, 0.15, 0.2, 0.3, 0.4]
 POLL_SECONDS = 5  # between two looks at the queue: a point takes minutes
 IDLE_POLLS = 6  # looks that find our points queued and no worker at all before the queue counts as stalled
