@@ -44,7 +44,7 @@ from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.ppo_params import PpoParams
-from rlhf.pipeline.sections import Rule
+from rlhf.pipeline.section import Rule
 from rlhf.train.ppo_trainer import PPOTrainer
 
 

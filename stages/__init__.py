@@ -6,13 +6,14 @@ is imported on behalf of ``-m`` (sys.argv[0] is "-m" until the module is found):
 - Ctrl-C, SIGTERM and the other stop signals end the process with one line and the signal's exit status (a stop
   during the imports would otherwise print a long traceback from inside them); rlhf.pipeline.cli.run_stage installs
   the handlers that keep checkpoints once the stage starts;
-- the stage takes DVC's experiments lock on the workspace (rlhf/pipeline/under_dvc.py) before anything else, so that
-  a ``dvc exp run`` started beside it is refused by DVC before it rewrites params.yaml.
+- the stage takes DVC's experiments lock on the workspace (``hold_workspace``) before anything else.
 
 A stage that params switch off (all but prepare and evaluate) imports its model and data code inside the functions
 that run when it is on: off, it writes its marker in about a second, without loading transformers.
 """
 
+import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -25,6 +26,31 @@ def _stop_while_starting(signum: int, frame: object) -> None:
     os._exit(128 + signum)  # nothing to clean up yet; atexit hooks of half-imported libraries would print tracebacks
 
 
+def hold_workspace(command: str) -> str | None:
+    """In a DVC project, hold for this process's life the lock DVC's experiment commands (``exp run``, ``exp run
+    --queue``, ``exp apply``) take on the workspace before they touch it: DVC releases its repository lock while a
+    stage runs, so a second ``dvc exp run`` would otherwise stash the workspace and write its ``-S`` values into
+    params.yaml under this stage (params.changed_since_read catches a change that comes anyway, e.g. by hand). DVC
+    drops a killed holder's entry. Returns why the lock could not be taken, else None; only rank 0 takes it."""
+    if not Path(".dvc").is_dir() or os.environ.get("RANK", "0") != "0":
+        return None
+    try:
+        from dvc.fs import localfs
+        from dvc.lock import LockError
+        from dvc.rwlock import rwlock
+    except ImportError:  # DVC is a dependency; without it nothing can start a DVC command either
+        return None
+    lock = Path(".dvc/tmp/exps")  # where DVC's experiment commands keep their rwlock (dvc/repo/experiments)
+    lock.mkdir(parents=True, exist_ok=True)
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(rwlock(str(lock), localfs, command, [], ["workspace"], False))
+    except LockError as e:
+        return str(e).splitlines()[0] + " " + " ".join(line.strip() for line in str(e).splitlines()[1:2])
+    atexit.register(stack.close)
+    return None
+
+
 if sys.argv[:1] == ["-m"]:
     from rlhf.pipeline.cli import STOP_SIGNALS
 
@@ -35,10 +61,7 @@ if sys.argv[:1] == ["-m"]:
         from rlhf.pipeline.cli import print_help_and_exit
 
         print_help_and_exit(_args[0].removeprefix("stages."), Path(__file__).resolve().parents[1])
-    if _args[0].startswith("stages."):
-        from rlhf.pipeline.under_dvc import hold_workspace
-
-        if _busy := hold_workspace(f"python -m {_args[0]}"):
-            print(f"error: this workspace is busy: {_busy} (DVC's experiments lock: wait for that command); nothing "
-                  "was run", file=sys.stderr)
-            raise SystemExit(1)
+    if _args[0].startswith("stages.") and (_busy := hold_workspace(f"python -m {_args[0]}")):
+        print(f"error: this workspace is busy: {_busy} (DVC's experiments lock: wait for that command); nothing was "
+              "run", file=sys.stderr)
+        raise SystemExit(1)

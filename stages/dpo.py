@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, run_switchable, write_json
 from rlhf.pipeline.params import Params, load_params
-from rlhf.pipeline.paths import DPO_CURVES, DPO_DIR, DPO_METRICS, checkpoint_dir
+from rlhf.pipeline.paths import DPO_DIR, checkpoint_dir
 
 log = logging.getLogger("dpo")
 
 STAGE = "dpo"
+DPO_METRICS = Path("metrics/dpo.json")
+DPO_CURVES = Path("metrics/dpo")
 # what to lower when the GPU runs out of memory
 OUT_OF_MEMORY = "lower dpo.batch_size or dpo.max_length"
 EVAL_BATCH = 64  # pairs per forward pass of the held-out evaluation

@@ -17,6 +17,7 @@ The outputs are replaced together when the stage completes, or not at all (rlhf/
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pyarrow as pa
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -31,7 +32,7 @@ from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import StagedOutputs, write_json, write_parquet, write_text
 from rlhf.pipeline.params import Params, load_params
-from rlhf.pipeline.paths import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_PROMPTS, EVAL_REPORT, EVAL_SAMPLES, POLICIES
+from rlhf.pipeline.paths import EVAL_PROMPTS, POLICIES
 from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("evaluate")
@@ -41,6 +42,10 @@ BEST_OF_N = (" After: for each prompt, the reward's best of {n} reference respon
              "analytic bound log N - (N-1)/N, not a sample estimate.")
 
 STAGE = "evaluate"
+EVAL_SAMPLES = Path("data/eval/samples.parquet")
+EVAL_METRICS = Path("metrics/eval.json")
+EVAL_REPORT = Path("metrics/evaluate/report.md")
+EVAL_HISTOGRAM = Path("metrics/evaluate/score_histogram.csv")
 # what to lower when the GPU runs out of memory
 OUT_OF_MEMORY = "lower evaluate.batch_size"
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +37,7 @@ from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError, ModelError, TrainingError, interrupted_at
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, write_disabled, write_json
 from rlhf.pipeline.params import Params, load_params
-from rlhf.pipeline.paths import POLICY_DIR, PPO_CURVES, PPO_METRICS, ROLLOUTS_DIR, TRAIN_PROMPTS
+from rlhf.pipeline.paths import POLICY_DIR, PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -55,6 +56,7 @@ CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
 DISABLED = "method is not ppo: evaluate reads the method's own policy"
 
 STAGE = "ppo"
+PPO_METRICS = Path("metrics/ppo.json")
 # what to lower when the GPU runs out of memory
 OUT_OF_MEMORY = ("lower ppo.batch_size (generation holds the whole batch) or ppo.mini_batch_size (raising "
                  "ppo.gradient_accumulation_steps keeps the same batch)")

@@ -24,11 +24,12 @@ from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, atomic_path, write_json
 from rlhf.pipeline.params import Params, load_params
-from rlhf.pipeline.paths import PAIRS_DIR, PREPARE_METRICS, PROMPTS_DIR
+from rlhf.pipeline.paths import PAIRS_DIR, PROMPTS_DIR
 
 log = logging.getLogger("prepare")
 
 STAGE = "prepare"
+PREPARE_METRICS = Path("metrics/prepare.json")
 
 
 def main() -> None:

@@ -11,14 +11,17 @@ The outputs are replaced together when the stage completes, or not at all (rlhf/
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import Params, load_params
-from rlhf.pipeline.paths import REWARD_DIR, REWARD_METRICS, REWARD_SCORES, TEST_PAIRS, TRAIN_PAIRS
+from rlhf.pipeline.paths import REWARD_DIR, TEST_PAIRS, TRAIN_PAIRS
 
 STAGE = "reward"
+REWARD_METRICS = Path("metrics/reward.json")
+REWARD_SCORES = Path("metrics/reward/scores.csv")
 # what to lower when the GPU runs out of memory
 OUT_OF_MEMORY = "lower reward.batch_size or reward.max_length"
 

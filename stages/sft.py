@@ -11,15 +11,18 @@ The outputs are replaced together when the stage completes, or not at all (rlhf/
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import Params, load_params
-from rlhf.pipeline.paths import SFT_DIR, SFT_LOSS, SFT_METRICS
+from rlhf.pipeline.paths import SFT_DIR
 
 EVAL_BATCH = 16
 
 STAGE = "sft"
+SFT_METRICS = Path("metrics/sft.json")
+SFT_LOSS = Path("metrics/sft/loss.csv")
 # what to lower when the GPU runs out of memory
 OUT_OF_MEMORY = "lower sft.batch_size (and raise sft.gradient_accumulation_steps to keep the same batch)"
 

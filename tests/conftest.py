@@ -213,6 +213,17 @@ def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedPr
     return result
 
 
+def error_line(result: subprocess.CompletedProcess, culprit: str, rule: str, status: int = 1,
+               alone: bool = False) -> str:
+    """The one line a failed command ends with: ``error: <culprit>: ...`` stating ``rule`` (the words that say which
+    rule); the rest of the sentence may change. ``alone``: it is the whole of stderr."""
+    line = (result.stderr.strip().splitlines() or [""])[-1]
+    assert result.returncode == status, result.stderr[-3000:]
+    assert line.startswith(f"error: {culprit}: ") and rule in line, result.stderr[-3000:]
+    assert not alone or result.stderr.strip() == line, result.stderr[-3000:]
+    return line
+
+
 def set_params(project: Path, **updates: object) -> None:
     """Set dotted keys in the project's params.yaml (``set_params(p, **{"ppo.steps": 2})``), written as
     ``dvc exp run -S`` writes it (DVC's own round-trip YAML writer: comments kept, floats as ``1e-05``)."""

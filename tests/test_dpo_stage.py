@@ -25,6 +25,7 @@ from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import DISABLED_MARKER
 from rlhf.pipeline.params import load_params
 from rlhf.pipeline.paths import (
+    DPO_DIR,
     POLICY_DIR,
     REF_LOGPROBS_DIR,
     SAMPLED_PAIRS_DIR,
@@ -37,7 +38,7 @@ from rlhf.train import dpo as dpo_library
 from stages import dpo as dpo_stage
 from stages import ref_logprobs as ref_stage
 from stages import sample_pairs as sample_pairs_stage
-from stages.dpo import DPO_CURVES, DPO_DIR, DPO_METRICS
+from stages.dpo import DPO_CURVES, DPO_METRICS
 
 TINY_DPO = {"dpo.batch_size": 8, "dpo.learning_rate": 1e-2, "dpo.max_length": 24, "dpo.warmup_steps": 2,
             "dpo.checkpoint_every": 2}  # 64 pairs: 8 steps, a held-out evaluation after each

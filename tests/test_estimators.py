@@ -208,7 +208,8 @@ def test_reinforce_pp_return_of_the_first_token_is_score_plus_kl_penalty() -> No
     mask = ragged_mask(2, "mixed", torch.float32, 3)
     logprobs, ref_logprobs = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
     scores = torch.randn(len(mask), generator=g)
-    rewards, non_score_reward, _ = ppo.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.2)
+    rewards, non_score_reward = ppo.compute_rewards(scores, ppo.kl_penalty(logprobs, ref_logprobs) * mask, mask,
+                                                    kl_coef=0.2)
     _, returns = adv.reinforce_pp_advantages(rewards, mask, 1.0)
     first = mask.float().argmax(1)  # each row's first real token
     torch.testing.assert_close(returns[torch.arange(len(mask)), first], scores + non_score_reward.sum(1))
@@ -303,7 +304,7 @@ def test_each_record_follows_its_paper_from_compute_rewards_output(batch) -> Non
     k, mask, g = batch
     logprobs, ref_logprobs = (torch.randn(mask.shape, generator=g, dtype=torch.float64) for _ in range(2))
     scores = torch.randn(len(mask), generator=g, dtype=torch.float64)
-    rewards, _, _ = ppo.compute_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
+    rewards, _ = ppo.compute_rewards(scores, ppo.kl_penalty(logprobs, ref_logprobs) * mask, mask, kl_coef=0.1)
     R = [sum(rewards[i, t].item() for t in real_positions(mask, i)) for i in range(len(mask))]
 
     advantages, returns = ESTIMATORS["rloo"].advantages(rewards, mask, None, settings(k, 1.0))

@@ -17,16 +17,8 @@ from rlhf.models.rollout import response_lengths
 from rlhf.models.scorers import ClassifierScorer, VaderScorer, judge_name
 from rlhf.pipeline.errors import DataError, ModelError, ParamsError
 from rlhf.pipeline.params import defaults
-from rlhf.pipeline.paths import (
-    EVAL_HISTOGRAM,
-    EVAL_METRICS,
-    EVAL_PROMPTS,
-    EVAL_REPORT,
-    EVAL_SAMPLES,
-    POLICY_DIR,
-)
-from stages.dpo import DPO_DIR
-from stages.evaluate import main
+from rlhf.pipeline.paths import DPO_DIR, EVAL_PROMPTS, POLICY_DIR
+from stages.evaluate import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_REPORT, EVAL_SAMPLES, main
 
 N_PROMPTS = 6
 

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from conftest import dvc
+from conftest import dvc, error_line
 from test_experiments import git_commit
 
 from rlhf.eval import optimum
@@ -223,7 +223,7 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path: Path) -> None:
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "tiny.yaml").write_text("ppo:\n  steps: 2\n")
     result = run_frontier(tmp_path, "tiny", "--set", "ppo.advantage_whiten=false")
-    assert result.stderr.strip() == "error: --set: name the series with --series (its points need names of their own)"
+    error_line(result, "--set", "name the series with --series", alone=True)
     result = run_frontier(tmp_path, "tiny", "--series", "a b", "--kl-coef", "0.1")
     assert result.returncode == 1 and result.stderr.strip().startswith("error: --series: 'tiny-a b' cannot start")
     result = run_frontier(tmp_path, "tiny", "--kl-coef", "0.1,-1")
@@ -276,9 +276,7 @@ def test_a_dry_run_of_a_shipped_preset_prints_the_default_grid_and_copies_nothin
     assert not (project / "data" / "raw" / "imdb").exists()
     result = run_frontier(project, "offline-cpu", *data, "--series", "grpo", "--set", "ppo.advantage_estimator=grpo",
                           "--dry-run")
-    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
-        "error: params.yaml: ppo.samples_per_prompt: must be >= 2 with ppo.advantage_estimator grpo (its baseline is "
-        "the prompt's other samples) (got 1)")
+    error_line(result, "params.yaml: ppo.samples_per_prompt", "must be >= 2 with ppo.advantage_estimator grpo")
 
 
 def points_log(result: subprocess.CompletedProcess) -> dict[str, tuple[str, set[str]]]:

@@ -16,16 +16,9 @@ import torch
 from conftest import ROOT, set_params
 
 from rlhf.eval import optimum
-from rlhf.pipeline.paths import (
-    EVAL_METRICS,
-    EVAL_SAMPLES,
-    OPTIMUM_BEST_OF_N,
-    OPTIMUM_CURVE,
-    OPTIMUM_METRICS,
-    OPTIMUM_POOL,
-    POLICY_DIR,
-)
+from rlhf.pipeline.paths import OPTIMUM_BEST_OF_N, OPTIMUM_CURVE, OPTIMUM_METRICS, OPTIMUM_POOL, POLICY_DIR
 from rlhf.rl import optimum as opt
+from stages.evaluate import EVAL_METRICS, EVAL_SAMPLES
 
 # --- the math ------------------------------------------------------------------------------------------------------
 

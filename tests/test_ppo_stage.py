@@ -10,7 +10,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import build_tiny_gpt2, set_params, write_prompts
+from conftest import build_tiny_gpt2, error_line, set_params, write_prompts
 from helpers import run
 from transformers import AutoModelForCausalLM
 
@@ -67,11 +67,7 @@ def test_two_processes_on_cpu(ppo_project: Path) -> None:
 def test_response_longer_than_the_context(ppo_project: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
     short = build_tiny_gpt2(tmp_path / "short", tokenizer_dir, n_positions=12)
     set_params(ppo_project, **{"model.policy": str(short), "ppo.response_max_tokens": 8})
-    result = run(ppo_project)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: ppo.response_max_tokens: prompt_max_tokens + response_max_tokens = 16 exceeds model.policy's 12 "
-        "positions")
+    error_line(run(ppo_project), "ppo.response_max_tokens", "= 16 exceeds model.policy's 12 positions")
     assert not (ppo_project / "models/policy").exists()
 
 
@@ -81,11 +77,7 @@ def test_tokenizer_that_does_not_match_the_policy(ppo_project: Path, tokenizer_d
     small = tmp_path / "small-vocab"
     GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=64, n_embd=8, n_layer=1, n_head=1)).save_pretrained(small)
     set_params(ppo_project, **{"model.policy": str(small), "model.tokenizer": str(tokenizer_dir)})
-    result = run(ppo_project)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: model.tokenizer: the tokenizer has 400 tokens but the model's embedding has only 50 rows "
-        "(tokenizer and model do not belong together)")
+    error_line(run(ppo_project), "model.tokenizer", "400 tokens but the model's embedding has only 50 rows")
 
 
 def test_too_few_prompts_for_a_step(ppo_project: Path, tokenizer_dir: Path) -> None:
@@ -94,16 +86,9 @@ def test_too_few_prompts_for_a_step(ppo_project: Path, tokenizer_dir: Path) -> N
     set_params(ppo_project, **{"ppo.steps": 1, "ppo.checkpoint_every": 0})
     assert run(ppo_project).returncode == 0
     set_params(ppo_project, **{"ppo.advantage_estimator": "gae", "ppo.samples_per_prompt": 1})
-    result = run(ppo_project)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: data/prompts/train.parquet: 3 prompts, fewer than the 4 a step needs (ppo.batch_size=4 / "
-        "ppo.samples_per_prompt=1)")
+    error_line(run(ppo_project), "data/prompts/train.parquet", "3 prompts, fewer than the 4 a step needs")
 
 
 def test_prompts_without_input_ids(ppo_project: Path) -> None:
     pq.write_table(pa.table({"query": ["a", "b"]}), ppo_project / "data/prompts/train.parquet")
-    result = run(ppo_project)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: data/prompts/train.parquet: missing column 'input_ids' (columns: query)")
+    error_line(run(ppo_project), "data/prompts/train.parquet", "missing column 'input_ids'")

@@ -19,12 +19,13 @@ from conftest import ROOT, set_params
 from rlhf.models.scorers import ClassifierScorer, make_reward_scorer
 from rlhf.pipeline.errors import RewardFunctionError
 from rlhf.pipeline.params import Params, defaults
-from rlhf.pipeline.paths import EVAL_PROMPTS, EVAL_SAMPLES, OPTIMUM_POOL, SAMPLED_TRAIN_PAIRS, TRAIN_PROMPTS
+from rlhf.pipeline.paths import EVAL_PROMPTS, OPTIMUM_POOL, SAMPLED_TRAIN_PAIRS, TRAIN_PROMPTS
 from rlhf.pipeline.sections import RewardFunctionParams
 from stages import evaluate as evaluate_stage
 from stages import optimum as optimum_stage
 from stages import ppo as ppo_stage
 from stages import sample_pairs as sample_pairs_stage
+from stages.evaluate import EVAL_SAMPLES
 
 PROMPTS = ["The movie was", "I think this", "A film about", "The actor"]
 RESPONSES = ["great great great great", "", "a fine film", "dull"]

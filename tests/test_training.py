@@ -7,26 +7,26 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlhf.models import precision as training
+from rlhf.models import precision
 from rlhf.models.policy import lm_head
 from rlhf.train import fit
 
 
 @pytest.mark.parametrize("present", [(), ("_is_amx_tile_supported",), ("_is_avx512_bf16_supported",)])
 def test_cpu_has_bf16_reads_the_probes_torch_has(monkeypatch: pytest.MonkeyPatch, present: tuple[str, ...]) -> None:
-    for name in training.CPU_BF16_PROBES:
+    for name in precision.CPU_BF16_PROBES:
         if name in present:
             monkeypatch.setattr(torch.cpu, name, lambda: True, raising=False)
         else:
             monkeypatch.delattr(torch.cpu, name, raising=False)
-    assert training.cpu_has_bf16() is bool(present)
+    assert precision.cpu_has_bf16() is bool(present)
 
 
 def test_without_the_probes_auto_precision_on_cpu_is_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in training.CPU_BF16_PROBES:
+    for name in precision.CPU_BF16_PROBES:
         monkeypatch.delattr(torch.cpu, name, raising=False)
-    assert training.mixed_precision(torch.device("cpu"), "auto") is None
-    assert training.mixed_precision(torch.device("cpu"), "bf16") is torch.bfloat16
+    assert precision.mixed_precision(torch.device("cpu"), "auto") is None
+    assert precision.mixed_precision(torch.device("cpu"), "bf16") is torch.bfloat16
 
 
 def cuda_matmul_setting() -> object:
@@ -36,7 +36,7 @@ def cuda_matmul_setting() -> object:
 
 def test_cuda_matmul_precision_holds_for_the_block_and_restores_torch_s_setting() -> None:
     before = cuda_matmul_setting()
-    with pytest.raises(KeyError), training.cuda_matmul_precision("tf32"):
+    with pytest.raises(KeyError), precision.cuda_matmul_precision("tf32"):
         assert cuda_matmul_setting() in ("tf32", True)
         raise KeyError  # an error inside the block restores the setting too
     assert cuda_matmul_setting() == before
@@ -50,7 +50,7 @@ def tiny_lm(n_embd: int = 64) -> GPT2LMHeadModel:
 def test_on_cpu_the_lm_head_is_full_fp32_even_under_bf16_autocast() -> None:
     lm, hidden = tiny_lm(), torch.randn(2, 3, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert training.head_precision(hidden.device) == "ieee"  # CPUs have no TF32
+        assert precision.head_precision(hidden.device) == "ieee"  # CPUs have no TF32
         mixed = lm_head(lm, hidden.bfloat16())
     assert mixed.dtype == torch.float32
     assert torch.equal(mixed, lm_head(lm, hidden.bfloat16().float()))
@@ -61,10 +61,10 @@ def test_on_cuda_under_bf16_autocast_the_lm_head_runs_in_tf32() -> None:
     lm, hidden = tiny_lm(768).cuda(), torch.randn(4, 16, 768, device="cuda")
     before = cuda_matmul_setting()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert training.head_precision(hidden.device) == "tf32"
+        assert precision.head_precision(hidden.device) == "tf32"
         mixed = lm_head(lm, hidden)
     assert cuda_matmul_setting() == before
-    with training.cuda_matmul_precision("ieee"):
+    with precision.cuda_matmul_precision("ieee"):
         full = lm_head(lm, hidden)
     assert mixed.dtype == torch.float32
     assert not torch.equal(mixed, full)  # TF32 rounded the inputs

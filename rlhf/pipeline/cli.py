@@ -1,7 +1,6 @@
-"""How a stage script or a tool runs from the command line: every way it can fail turned into one line and an exit
-status (a PipelineError, a full disk or GPU out-of-memory: 1; Ctrl-C: 130; another stop signal: 128 + its number),
-and a stage's ``--help``.
-Anything else is a bug and keeps its traceback."""
+"""How a stage script or a tool runs from the command line: every way it can fail that is not a bug is one line and an
+exit status (a PipelineError, a full disk or GPU out-of-memory: 1; a stop signal: 128 + its number, Ctrl-C 130), and
+a stage's ``--help``."""
 
 from __future__ import annotations
 
@@ -17,101 +16,28 @@ from pathlib import Path
 from rlhf.pipeline.errors import PipelineError, is_disk_full, is_out_of_memory
 from rlhf.pipeline.paths import checkpoint_dir, checkpoints, output_path
 
+# Ctrl-C, Ctrl-\, kill's and a scheduler's stop, a closed terminal, a scheduler's warning before its time limit
+# (SIGUSR1/2: SLURM's --signal) and a CPU-time limit: each would otherwise end the stage without a word
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                signal.SIGXCPU)
+STOPPED_BY = [signal.SIGINT]  # the signal that stopped the run, for the message and the exit status
 STARTED = time.perf_counter()  # about when the process started: stages/__init__.py imports this module first
 
 
 def stage_help(stage: str, root: Path) -> str:
     """``python -m stages.<stage> --help``: the script's docstring (what it reads and writes) and the params that
-    ``root``'s dvc.yaml lists for it, each key with its doc. Reads the script without importing it (no torch)."""
-    from rlhf.pipeline.params import expand, key_doc
+    ``root``'s dvc.yaml lists for it, each with its doc. Reads the script without importing it (no torch)."""
+    from rlhf.pipeline.params import declaration, expand
     from rlhf.pipeline.wiring import wiring
 
     doc = ast.get_docstring(ast.parse((root / "stages" / f"{stage}.py").read_text(encoding="utf-8"))) or ""
     keys = expand(wiring(stage, root / "dvc.yaml").params)
     width = max(map(len, keys)) + 1
-    params = "\n".join(textwrap.fill(key_doc(key), 119, initial_indent=f"  {key:<{width}}",
-                                      subsequent_indent=" " * (width + 2)) for key in keys)
+    params = "\n".join(textwrap.fill(" ".join((declaration(key).description or "").split()), 119,
+                                     initial_indent=f"  {key:<{width}}", subsequent_indent=" " * (width + 2))
+                       for key in keys)
     return (f"usage: python -m stages.{stage} [-h]\n\n{doc.strip()}\n\n"
             f"Params  (params.yaml; the keys dvc.yaml lists for {stage})\n{params}\n")
-
-
-def interrupted_message(stage: str | None, step: int | None) -> str:
-    """``interrupted at step N; checkpoint <folder> kept; rerun to resume``, or ``...; nothing written`` (a stage
-    writes its outputs only when it completes); plain ``interrupted`` for a tool."""
-    if stage is None:
-        return "interrupted"
-    where = "" if step is None else f" at step {step}"
-    kept = checkpoints(checkpoint_dir(stage))
-    return f"interrupted{where}; " + (f"checkpoint {kept[-1]} kept; rerun to resume" if kept else "nothing written")
-
-
-def one_line(error: Exception, stage: str | None, out_of_memory: str | None) -> str | None:
-    """What to tell the user about ``error``; None for a bug, which keeps its traceback. A full disk not met inside
-    a writer that names its output (io.atomic_path) names the file the OS reported, if any."""
-    if isinstance(error, PipelineError):
-        return str(error)
-    if is_disk_full(error):
-        filename = getattr(error, "filename", None)
-        return (f"disk full writing {output_path(Path(filename))}" if filename
-                else f"disk full ({str(error).splitlines()[0]})")
-    if is_out_of_memory(error) and out_of_memory:
-        return f"out of GPU memory in {stage}: {out_of_memory}"
-    return None
-
-
-# Ctrl-C, Ctrl-\\, kill's and a scheduler's stop, a closed terminal, the signals a scheduler sends before a time
-# limit (SIGUSR1/2: SLURM's --signal) and a CPU-time limit: each would otherwise end the stage without a word
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-                signal.SIGXCPU)
-
-
-def stop_signals(handler: Callable[[int, object], None] | int) -> None:
-    """Every signal of STOP_SIGNALS gets ``handler``."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, handler)
-
-
-STOP_SIGNAL = [signal.SIGINT]  # the signal that stopped the run, for the message and the exit status
-
-
-def raise_interrupt(signum: int, frame: object) -> None:
-    """A stop signal reads like Ctrl-C: a KeyboardInterrupt where the stage is, so it keeps its checkpoint."""
-    STOP_SIGNAL[0] = signal.Signals(signum)
-    raise KeyboardInterrupt
-
-
-def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> None:
-    """Run the ``main`` of a stage script (module ``stages.<name>``) or of a tool: a PipelineError, a full disk or GPU
-    out-of-memory (``out_of_memory``: what to lower) is ``error: <message>`` and exit status 1; Ctrl-C (or another of
-    STOP_SIGNALS) one ``interrupted`` (``stopped by SIGTERM``) line and exit status 130 (128 + the signal). A stage
-    takes no argument (``-h`` is answered before it loads: stages/__init__.py): any other is refused (exit status 2),
-    not ignored."""
-    module = sys.modules[main.__module__]
-    name = module.__spec__.name if module.__spec__ else module.__name__
-    stage = name.removeprefix("stages.") if name.startswith("stages.") else None
-    if stage is not None and sys.argv[1:]:
-        print(f"error: python -m stages.{stage} takes no arguments but -h (got {' '.join(sys.argv[1:])}): set "
-              "params in params.yaml or with dvc exp run -S key=value", file=sys.stderr)
-        raise SystemExit(2)
-    stop_signals(raise_interrupt)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        main()
-        if stage is not None:  # the wall time, imports included
-            logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - STARTED)
-    except KeyboardInterrupt as e:
-        stop_signals(signal.SIG_IGN)  # a second Ctrl-C must not add a traceback to the one line
-        message = interrupted_message(stage, getattr(e, "step", None))
-        if STOP_SIGNAL[0] != signal.SIGINT:
-            message = message.replace("interrupted", f"stopped by {STOP_SIGNAL[0].name}", 1)
-        print(message, file=sys.stderr)
-        raise SystemExit(128 + STOP_SIGNAL[0]) from None
-    except Exception as e:
-        message = one_line(e, stage, out_of_memory)
-        if message is None:
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(1) from None
 
 
 def print_help_and_exit(stage: str, root: Path) -> None:
@@ -123,3 +49,65 @@ def print_help_and_exit(stage: str, root: Path) -> None:
         raise SystemExit(1) from None
     raise SystemExit(0)
 
+
+def one_line(error: Exception, stage: str | None, out_of_memory: str | None) -> str | None:
+    """What to tell the user about ``error``; None for a bug, which keeps its traceback. A full disk that no writer
+    named (io.naming_disk_full) names the file the OS reported, if any."""
+    if isinstance(error, PipelineError):
+        return str(error)
+    if is_disk_full(error):
+        filename = getattr(error, "filename", None)
+        return (f"disk full writing {output_path(Path(filename))}" if filename
+                else f"disk full ({str(error).splitlines()[0]})")
+    if is_out_of_memory(error) and out_of_memory:
+        return f"out of GPU memory in {stage}: {out_of_memory}"
+    return None
+
+
+def kept(stage: str | None, step: int | None) -> str:
+    """`` at step N; checkpoint <folder> kept; rerun to resume`` or ``; nothing written`` (a stage writes its outputs
+    only when it completes); nothing for a tool."""
+    if stage is None:
+        return ""
+    found = checkpoints(checkpoint_dir(stage))
+    return ("" if step is None else f" at step {step}") + (
+        f"; checkpoint {found[-1]} kept; rerun to resume" if found else "; nothing written")
+
+
+def raise_interrupt(signum: int, frame: object) -> None:
+    """A stop signal reads like Ctrl-C: a KeyboardInterrupt where the stage is, so it keeps its checkpoint."""
+    STOPPED_BY[0] = signal.Signals(signum)
+    raise KeyboardInterrupt
+
+
+def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> None:
+    """Run the ``main`` of a stage script (module ``stages.<name>``) or a tool: a PipelineError, a full disk or GPU
+    out-of-memory (``out_of_memory``: what to lower) is ``error: <message>``, exit status 1; a stop signal is one
+    ``interrupted`` (``stopped by SIGTERM``) line saying what was kept, exit status 128 + the signal. A stage takes
+    no argument (``-h`` is answered before it loads: stages/__init__.py): any other is refused, exit status 2."""
+    module = sys.modules[main.__module__]
+    name = module.__spec__.name if module.__spec__ else module.__name__
+    stage = name.removeprefix("stages.") if name.startswith("stages.") else None
+    if stage is not None and sys.argv[1:]:
+        print(f"error: python -m stages.{stage} takes no arguments but -h (got {' '.join(sys.argv[1:])}): set "
+              "params in params.yaml or with dvc exp run -S key=value", file=sys.stderr)
+        raise SystemExit(2)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, raise_interrupt)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        main()
+        if stage is not None:  # the wall time, imports included
+            logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - STARTED)
+    except KeyboardInterrupt as e:
+        for signum in STOP_SIGNALS:  # a second Ctrl-C must not add a traceback to the one line
+            signal.signal(signum, signal.SIG_IGN)
+        stopped = "interrupted" if STOPPED_BY[0] == signal.SIGINT else f"stopped by {STOPPED_BY[0].name}"
+        print(stopped + kept(stage, getattr(e, "step", None)), file=sys.stderr)
+        raise SystemExit(128 + STOPPED_BY[0]) from None
+    except Exception as e:
+        message = one_line(e, stage, out_of_memory)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -1,6 +1,6 @@
-"""The pipeline's exception types: one for everything a user can get wrong (stated in one line), and the predicates
-that recognise the errors the OS or torch raise for a full disk or GPU out-of-memory (rlhf/pipeline/cli.py turns them
-into one-line exits)."""
+"""The pipeline's exceptions: ``PipelineError`` and its kinds, for everything a user can get wrong (one line that names
+the culprit), a training loop's Ctrl-C, and how to recognise a full disk or GPU out-of-memory (rlhf/pipeline/cli.py
+turns each into one line and an exit status)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ class PipelineError(Exception):
 
 
 class ParamsError(PipelineError):
-    """A params.yaml key (``key``, dotted, when it names one) is unknown, missing, of the wrong type, or has an
-    impossible value."""
+    """A params.yaml key (``key``, dotted, when one is to blame) is unknown, missing, mistyped or impossible."""
 
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
@@ -32,16 +31,11 @@ class ModelError(PipelineError):
 
 
 class RewardFunctionError(PipelineError):
-    """A reward function (reward.functions) cannot be imported, raises, or returns other than one finite float a
-    response."""
+    """A reward function (reward.functions) cannot be imported, raises, or returns other than a finite float each."""
 
 
 class TrainingError(PipelineError):
     """A numerical fault during training (NaN/inf score, loss or gradient)."""
-
-
-class DiskFull(PipelineError):
-    """A write failed for want of disk space (or quota); the message names the output being written."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -54,7 +48,7 @@ class Interrupted(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def interrupted_at(step: Callable[[], int]) -> Iterator[None]:
-    """Ctrl-C inside a training loop becomes ``Interrupted(step())``, the step the loop was on."""
+    """Ctrl-C inside the block becomes ``Interrupted(step())``."""
     try:
         yield
     except Interrupted:

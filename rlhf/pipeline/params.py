@@ -1,77 +1,27 @@
-"""params.yaml -> typed, validated, frozen ``Params`` (rlhf/pipeline/sections.py), the only config source of the
-pipeline. A stage calls ``load_params(<stage>)`` first, before any data or model loads: a missing or unknown key, a
-value of the wrong type or an impossible value is one line naming the dotted key and the rule, and the stage may read
-only the keys dvc.yaml lists for it (any other raises, naming it: DVC would not rerun the stage when it changes).
-YAML is read as DVC reads params (ruamel.yaml's safe loader, YAML 1.2: ``1e-5`` is a number, ``yes`` a string).
-"""
+"""params.yaml -> ``Params``: typed, validated, frozen, the pipeline's only config. A stage calls
+``load_params(stage)`` before any data or model loads: a missing or unknown key, a wrong type or an impossible value is
+one line naming the dotted key and the rule, and the stage can read only the keys dvc.yaml lists for it (another
+raises, naming it: DVC would not rerun the stage when it changes). YAML is read as DVC reads it (1.2: ``1e-5`` is a
+number, ``yes`` a string)."""
 
 from __future__ import annotations
 
 import functools
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import annotated_types
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from ruamel.yaml import YAML, YAMLError
 
 from rlhf.pipeline.errors import ParamsError
-from rlhf.pipeline.ppo_params import PpoParams
-from rlhf.pipeline.sections import (
-    METHODS,
-    DataParams,
-    DpoParams,
-    EvaluateParams,
-    ModelParams,
-    OptimumParams,
-    PrepareParams,
-    RewardParams,
-    Rule,
-    Section,
-    SftParams,
-)
+from rlhf.pipeline.section import Rule, Section
+from rlhf.pipeline.sections import Params
 from rlhf.pipeline.wiring import wiring
 
 PARAMS_FILE = Path("params.yaml")
 ROOT = Path(__file__).resolve().parents[2]  # the project, whose params.yaml holds the defaults
-
-
-class Params(Section):
-    """The whole of params.yaml."""
-
-    seed: int = Field(ge=0, lt=2**32)
-    """Seed of every random generator (each output derives its own from it); below 2**32, as NumPy's seeds are."""
-    method: Literal[METHODS]  # type: ignore[valid-type]
-    """How the evaluated policy is made from the initial one: ppo (RL against the reward scorer), dpo (DPO or IPO on
-    preference pairs) or best_of_n (no training: the reward scorer's best of evaluate.best_of_n reference samples).
-    The other methods' stages write only a marker."""
-    data: DataParams
-    model: ModelParams
-    prepare: PrepareParams
-    sft: SftParams
-    reward: RewardParams
-    ppo: PpoParams
-    dpo: DpoParams
-    evaluate: EvaluateParams
-    optimum: OptimumParams
-
-    @property
-    def tokenizer_path(self) -> str:
-        """The tokenizer every stage uses: model.tokenizer, else the SFT base / policy it belongs to."""
-        if self.model.tokenizer is not None:
-            return self.model.tokenizer
-        if self.sft.enabled and self.sft.base != "scratch":
-            return self.sft.base
-        return self.model.policy
-
-    @model_validator(mode="after")
-    def _rules(self) -> Params:
-        for name in type(self).model_fields:
-            if isinstance(section := getattr(self, name), Section):
-                section.check_with(self)
-        return self
 
 
 def parse_yaml(text: str, where: str) -> Any:
@@ -98,103 +48,78 @@ def read_yaml(path: Path | str) -> Any:
     return parse_yaml(text, str(path))
 
 
-# --- the declarations ------------------------------------------------------------------------------------------------
+def is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, Section)
 
 
-def section_of(field: FieldInfo) -> type[Section] | None:
-    tp = field.annotation
-    return tp if isinstance(tp, type) and issubclass(tp, Section) else None
+def items(annotation: Any) -> Any:
+    """A list's item type (a list of sections: reward.functions), else the annotation."""
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else annotation
 
 
-def declaration(dotted: str, root: type[Section] = Params) -> FieldInfo:
-    """The declaration of a dotted key ('ppo.steps') or section ('ppo')."""
-    model = root
+def declaration(dotted: str) -> FieldInfo:
+    """The declaration of a dotted key ('ppo.steps'), a section ('ppo') or a key of a list's items."""
+    model: Any = Params
     *parents, last = dotted.split(".")
     for name in parents:
-        model = section_of(model.model_fields[name])
+        model = items(model.model_fields[name].annotation)
     return model.model_fields[last]
 
 
 def dotted_keys(model: type[Section] = Params, prefix: str = "") -> list[str]:
-    """Every leaf key, dotted, in declaration order ('seed', 'method', 'data.source', ...)."""
-    keys = []
-    for name, field in model.model_fields.items():
-        section = section_of(field)
-        keys += dotted_keys(section, f"{prefix}{name}.") if section else [prefix + name]
-    return keys
+    """Every key, dotted, in declaration order ('seed', 'method', 'data.source', ...)."""
+    return [key for name, field in model.model_fields.items()
+            for key in (dotted_keys(field.annotation, f"{prefix}{name}.") if is_section(field.annotation)
+                        else [prefix + name])]
 
 
 def expand(entries: tuple[str, ...] | list[str]) -> list[str]:
     """The dotted keys of params entries (dvc.yaml's), a section's keys in its place."""
-    return [key for entry in entries for key in dotted_keys()
-            if key == entry or key.startswith(entry + ".")]
+    return [key for entry in entries for key in dotted_keys() if key == entry or key.startswith(entry + ".")]
 
 
-def key_doc(key: str) -> str:
-    """A dotted key's doc on one line (for ``--help``)."""
-    return " ".join((declaration(key).description or "").split())
+# --- one line per error ----------------------------------------------------------------------------------------------
 
-
-# --- validation ------------------------------------------------------------------------------------------------------
-
-
-def _check_keys(raw: Any, model: type[Section], prefix: str = "") -> None:
-    """Unknown keys, then missing ones: params.yaml is DVC's cache key, so every key must be written out (the code has
-    no defaults). A missing key's message gives its doc."""
-    if not isinstance(raw, dict):
-        return  # validation names the wrong type
-    known = model.model_fields
-    for key in raw:
-        if key not in known:
-            raise ParamsError(f"params.yaml: {prefix}{key}: unknown key (known: {', '.join(sorted(known))})",
-                              f"{prefix}{key}")
-    for name, field in known.items():
-        if name not in raw:
-            what = "a section" if section_of(field) else " ".join((field.description or "").split())
-            raise ParamsError(f"params.yaml: {prefix}{name}: missing (every key must be written out: params.yaml is "
-                              f"DVC's cache key; {what})", f"{prefix}{name}")
-        if section := section_of(field):
-            _check_keys(raw[name], section, f"{prefix}{name}.")
+BOUNDS = {"gt": ("(", ">"), "ge": ("[", ">="), "lt": (")", "<"), "le": ("]", "<=")}
+TYPE_RULES = {"int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be a bool",
+              "string_type": "must be a str", "model_type": "must be a mapping", "list_type": "must be a list",
+              "finite_number": "must be a finite number", "too_short": "must not be empty"}
+FIRST = {"extra_forbidden": 0, "missing": 1}  # a typo is named before the key it misspells is missing
 
 
 def _bounds(field: FieldInfo) -> str:
     """'must be > 0', 'must be in [0, 1)' from a field's declared bounds."""
-    low = high = None
-    for bound in field.metadata:
-        if isinstance(bound, annotated_types.Gt | annotated_types.Ge):
-            low = ("(", bound.gt) if isinstance(bound, annotated_types.Gt) else ("[", bound.ge)
-        elif isinstance(bound, annotated_types.Lt | annotated_types.Le):
-            high = (")", bound.lt) if isinstance(bound, annotated_types.Lt) else ("]", bound.le)
-    def number(value: float) -> str:
-        return str(value) if isinstance(value, int) else f"{value:g}"
-
+    found = [(attr, getattr(bound, attr)) for bound in field.metadata for attr in BOUNDS if hasattr(bound, attr)]
+    low = next(((a, v) for a, v in found if a in ("gt", "ge")), None)
+    high = next(((a, v) for a, v in found if a in ("lt", "le")), None)
+    number = {a: str(v) if isinstance(v, int) else f"{v:g}" for a, v in found}
     if low and high:
-        return f"must be in {low[0]}{number(low[1])}, {number(high[1])}{high[0]}"
-    if low:
-        return f"must be {'>' if low[0] == '(' else '>='} {number(low[1])}"
-    return f"must be {'<' if high[0] == ')' else '<='} {number(high[1])}"
-
-
-TYPE_RULES = {"int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be a bool",
-              "string_type": "must be a str", "model_type": "must be a mapping", "list_type": "must be a list",
-              "finite_number": "must be a finite number", "too_short": "must not be empty"}
-BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+        return f"must be in {BOUNDS[low[0]][0]}{number[low[0]]}, {number[high[0]]}{BOUNDS[high[0]][0]}"
+    attr = (low or high)[0]
+    return f"must be {BOUNDS[attr][1]} {number[attr]}"
 
 
 def message(error: dict[str, Any]) -> ParamsError:
     """One pydantic error as ``params.yaml: <dotted key>: <rule> (got <value>)``."""
     loc, value, kind = error["loc"], error["input"], error["type"]
-    names = [part for part in loc if isinstance(part, str)]
+    dotted = ".".join(part for part in loc if isinstance(part, str))
     key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-    hint = ""
-    if kind == "value_error" and isinstance(error["ctx"]["error"], Rule):
-        rule_error = error["ctx"]["error"]
+    got = f" (got {value!r})"
+    if kind == "value_error" and isinstance(rule_error := error["ctx"]["error"], Rule):
         key = ".".join(filter(None, [key, rule_error.key]))
-        rule, value = rule_error.rule, rule_error.value
-    elif kind in BOUNDS:
-        rule = _bounds(declaration(".".join(names)))
+        rule, got = rule_error.rule, f" (got {rule_error.value!r})"
+    elif kind == "extra_forbidden":
+        parent = dotted.rpartition(".")[0]
+        known = (items(declaration(parent).annotation) if parent else Params).model_fields
+        rule, got = f"unknown key (known: {', '.join(sorted(known))})", ""
+    elif kind == "missing":
+        field = declaration(dotted)
+        what = "a section" if is_section(field.annotation) else " ".join((field.description or "").split())
+        rule, got = f"missing (every key must be written out: params.yaml is DVC's cache key; {what})", ""
+    elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        rule = _bounds(declaration(dotted))
     elif kind == "literal_error":
-        rule = "must be one of " + ", ".join(map(str, typing.get_args(declaration(".".join(names)).annotation)))
+        rule = "must be one of " + ", ".join(map(str, typing.get_args(declaration(dotted).annotation)))
     elif kind in TYPE_RULES:
         rule = TYPE_RULES[kind]
         number = {"int_type": (int,), "float_type": (int, float)}.get(kind)
@@ -204,28 +129,26 @@ def message(error: dict[str, Any]) -> ParamsError:
             except ParamsError:
                 unquoted = None
             if isinstance(unquoted, number) and not isinstance(unquoted, bool):
-                hint = " (a string): write it without quotes"
+                got = f" (got {value!r} (a string): write it without quotes)"
     else:
         rule = error["msg"][0].lower() + error["msg"][1:]
-    return ParamsError(f"params.yaml: {key + ': ' if key else ''}{rule} (got {value!r}{hint})", key or None)
+    return ParamsError(f"params.yaml: {key + ': ' if key else ''}{rule}{got}", key or None)
 
 
 def parse_params(raw: Any, root: Path | str = ".") -> Params:
     """Validate a params mapping (as read from params.yaml) into ``Params``; relative paths resolve against root."""
-    raw = {} if raw is None else raw
-    _check_keys(raw, Params)
     try:
-        return Params.model_validate(raw, context={"root": Path(root)})
+        return Params.model_validate({} if raw is None else raw, context={"root": Path(root)})
     except ValidationError as e:
-        raise message(e.errors()[0]) from None
+        raise message(min(e.errors(), key=lambda error: FIRST.get(error["type"], 2))) from None
 
 
 # --- a stage's view --------------------------------------------------------------------------------------------------
 
 
 def for_stage(params: Params, stage: str, keys: list[str]) -> Params:
-    """``params`` in which only ``keys`` (dotted) can be read: any other field raises ``ParamsError`` naming
-    ``stage`` and the key (Section.__getattr__), so a stage cannot depend on a param DVC does not rerun it for."""
+    """``params`` in which only ``keys`` (dotted) can be read: any other field raises ``ParamsError`` naming ``stage``
+    and the key (Section.__getattr__)."""
 
     def view(model: Section, prefix: str) -> Section:
         values = {}
@@ -244,21 +167,15 @@ def for_stage(params: Params, stage: str, keys: list[str]) -> Params:
 
 def stage_values(params: Params, keys: list[str]) -> dict[str, Any]:
     """{dotted key: value} of ``keys`` (JSON-ready), e.g. for a checkpoint's fingerprint."""
-    values = {}
-    for key in keys:
-        value: Any = params
-        for name in key.split("."):
-            value = getattr(value, name)
-        values[key] = value
-    return values
+    return {key: functools.reduce(getattr, key.split("."), params) for key in keys}
 
 
 READ: dict[str, tuple[Path, dict[str, Any]]] = {}  # stage -> (params file, the values load_params gave it)
 
 
 def load_params(stage: str | None = None, *, path: Path | str = PARAMS_FILE) -> Params:
-    """Read and validate params.yaml (relative paths in it resolve against its folder); for ``stage``, its view
-    (``for_stage``) of the keys dvc.yaml lists for it, whose values are remembered (``changed_since_read``)."""
+    """Read and validate params.yaml (relative paths in it resolve against its folder); for ``stage``, its view of the
+    keys dvc.yaml lists for it, whose values are remembered (``changed_since_read``)."""
     path = Path(path)
     params = parse_params(read_yaml(path), path.parent)
     if stage is None:
@@ -269,10 +186,9 @@ def load_params(stage: str | None = None, *, path: Path | str = PARAMS_FILE) -> 
 
 
 def changed_since_read(stage: str) -> str | None:
-    """What changed in params.yaml among the keys ``stage`` read since ``load_params(stage)`` ("ppo.learning_rate:
-    1e-05 -> 2e-05"), or None. DVC records the params file as it is when the stage ends: a value changed meanwhile
-    (a second ``dvc exp run`` in the workspace writes its -S values at once) would be recorded beside outputs made
-    with another."""
+    """What changed in params.yaml among the keys ``stage`` read ("ppo.learning_rate: 1e-05 -> 2e-05"), or None. DVC
+    records the file as it is when the stage ends: a value changed meanwhile (by a second ``dvc exp run``, by hand)
+    would be recorded beside outputs made with another."""
     path, before = READ.get(stage, (None, {}))
     if path != PARAMS_FILE.resolve():  # another project's (tests run stages of many in one process)
         return None

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf.pipeline.sections import Rule, Section, at_most
+from rlhf.pipeline.section import Rule, Section, at_most
 from rlhf.rl.advantages import ESTIMATORS
 
 
@@ -19,8 +19,8 @@ class PpoParams(Section):
     weight_decay: float = Field(ge=0)
     """Decoupled (AdamW) weight decay of every policy and value-head parameter; 0 is TRL's PPOTrainer (plain Adam)."""
     batch_size: int = Field(ge=2)
-    """Samples (responses) per iteration, per process: batch_size / samples_per_prompt prompts, each answered
-    samples_per_prompt times. At least 2: advantages are whitened over the batch's response tokens."""
+    """Samples per iteration, per process: batch_size / samples_per_prompt prompts, each answered samples_per_prompt
+    times. At least 2: advantages are whitened over the batch's response tokens."""
     mini_batch_size: int = Field(gt=0)
     """Samples per forward/backward pass of the update."""
     gradient_accumulation_steps: int = Field(gt=0)
@@ -58,8 +58,8 @@ class PpoParams(Section):
     whiten_rewards: bool
     """Whiten the per-token rewards before GAE."""
     ratio_threshold: float = Field(gt=0)
-    """Skip a mini-batch whose mean probability ratio exceeds this: its loss counts 0, and an optimizer step whose
-    every mini-batch is skipped is not taken (``policy/skipped_steps``)."""
+    """Skip a mini-batch whose mean probability ratio exceeds this (its loss counts 0); an optimizer step whose every
+    mini-batch is skipped is not taken (policy/skipped_steps)."""
     max_grad_norm: float | None = Field(gt=0)
     """Gradient-norm clip of each optimizer step (null: no clipping; the norm is still logged)."""
     use_score_scaling: bool
@@ -79,8 +79,8 @@ class PpoParams(Section):
     top_p: float = Field(gt=0, le=1)
     """Sampling: nucleus probability mass (1: all)."""
     temperature: float = Field(ge=0.01)
-    """Sampling temperature (log-probabilities are taken at the same temperature). At least 0.01: below, sampling is
-    greedy in all but name and logits / temperature lose their float precision (top_k: 1 samples greedily)."""
+    """Sampling temperature (log-probabilities are taken at the same temperature); below 0.01 logits / temperature
+    lose their precision (top_k: 1 samples greedily)."""
     disable_dropout: bool
     """Switch dropout off in the policy and the reference."""
     value_model: Literal["shared", "separate"]
@@ -98,8 +98,7 @@ class PpoParams(Section):
         if self.batch_size % step:
             raise Rule("batch_size", f"must be a multiple of ppo.mini_batch_size x ppo.gradient_accumulation_steps "
                                      f"({step})", self.batch_size)
-        name, k = self.advantage_estimator, self.samples_per_prompt
-        estimator = ESTIMATORS[name]
+        name, k, estimator = self.advantage_estimator, self.samples_per_prompt, ESTIMATORS[self.advantage_estimator]
         if k < estimator.min_samples_per_prompt:
             raise Rule("samples_per_prompt", f"must be >= {estimator.min_samples_per_prompt} with "
                                              f"ppo.advantage_estimator {name} (its baseline is the prompt's other "
@@ -107,27 +106,16 @@ class PpoParams(Section):
         if self.batch_size % k:
             raise Rule("batch_size", f"must be a multiple of ppo.samples_per_prompt ({k})", self.batch_size)
         if self.kl_loss_coef > 0 and not estimator.kl_loss:
-            raise Rule("kl_loss_coef", f"must be 0 with ppo.advantage_estimator {name} (a KL loss term is "
-                                       "GRPO's; the others keep the KL penalty in the reward: ppo.init_kl_coef)",
+            raise Rule("kl_loss_coef", f"must be 0 with ppo.advantage_estimator {name} (a KL loss term is GRPO's; "
+                                       "the others keep the KL penalty in the reward: ppo.init_kl_coef)",
                        self.kl_loss_coef)
         if self.value_model == "separate" and not estimator.trains_critic:
             raise Rule("value_model", f"must be 'shared' with ppo.advantage_estimator {name}, which trains no "
                                       "critic (a separate critic would never be used)", self.value_model)
         return self
 
-    def check_with(self, params: Any) -> None:
-        if params.model.lora.r and self.critic == "separate":
-            raise Rule("ppo.value_model", "must be 'shared' with model.lora.r > 0 (a separate critic would hold a "
-                                          "second full copy of the weights, what LoRA saves)", self.value_model)
-        longest = params.prepare.prompt_max_tokens + self.response_max_tokens
-        s = params.sft
-        if s.enabled and s.base == "scratch" and longest > s.n_positions:
-            raise Rule("ppo.response_max_tokens", f"prompt_max_tokens + response_max_tokens ({longest}) must fit "
-                                                  f"sft.n_positions ({s.n_positions})", self.response_max_tokens)
-
     @property
     def prompts_per_step(self) -> int:
-        """Prompts per iteration (per process): each is answered samples_per_prompt times."""
         return self.batch_size // self.samples_per_prompt
 
     @property

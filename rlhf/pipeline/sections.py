@@ -1,67 +1,34 @@
-"""The params sections, declared once: every key of params.yaml with its type, bound and doc, and the rules between
-keys (the ppo section: ppo_params.py; the whole: params.py's ``Params``). Defaults live only in params.yaml (every key
-must be written there: it is DVC's cache key), so nothing here has one. A broken rule raises ``Rule`` naming the key;
-rlhf/pipeline/params.py turns it into one line.
-"""
+"""Every key of params.yaml, declared once (the ppo section in ppo_params.py): its type, bound and doc (what
+``--help`` prints), the rules between keys, and ``Params``, the whole file. No defaults: params.yaml holds them, every
+key written out (it is DVC's cache key). A new stage's section is declared here and listed in ``Params``."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, model_validator
 
-from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.paths import SPLITS, is_local
-
-METHODS = ("ppo", "dpo", "best_of_n")  # how the evaluated policy is made; best_of_n trains nothing
-
-
-class Rule(ValueError):
-    """A broken rule, reported as ``params.yaml: <key>: <rule> (got <value>)``; ``key`` is relative to the model that
-    raises it ('' for the field being validated)."""
-
-    def __init__(self, key: str, rule: str, value: Any) -> None:
-        super().__init__(rule)
-        self.key, self.rule, self.value = key, rule, value
+from rlhf.pipeline.ppo_params import PpoParams
+from rlhf.pipeline.section import Rule, Section, at_most
 
 
 def _exists_if_local(value: str, info: ValidationInfo) -> str:
-    """A value written like a local path must exist under the params file's folder (a Hub id cannot be checked
-    offline). Checked only when validating a params file (``parse_params`` gives the root)."""
+    """A value written like a local path must exist under the params file's folder (``context['root']``)."""
     root = (info.context or {}).get("root")
     if root is not None and is_local(value) and not (Path(root) / Path(value).expanduser()).exists():
         raise Rule("", "local path does not exist", value)
     return value
 
 
-PathOrId = Annotated[str, AfterValidator(_exists_if_local)]
-"""A Hub id or a local path; a local one must exist."""
+PathOrId = Annotated[str, AfterValidator(_exists_if_local)]  # a Hub id (not checkable offline) or a local path
 
 
 def judge_name(spec: str) -> str:
-    """A stable, DVC-friendly metrics name for a scorer: 'vader', or the model's last path component, sanitized."""
+    """A scorer's metrics name: 'vader', or the model's last path component, sanitized."""
     return re.sub(r"[^A-Za-z0-9_-]+", "_", Path(spec.rstrip("/")).name) or "model"
-
-
-class Section(BaseModel):
-    # strict: a string is never a number and a bool never an int (an int is still accepted for a float)
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
-                              use_attribute_docstrings=True)
-    _view: tuple[str, str] | None = PrivateAttr(None)  # (stage, key prefix) of a stage's view, see __getattr__
-
-    def check_with(self, params: Any) -> None:
-        """The rules between this section's keys and other sections'; a broken one raises ``Rule`` keyed from the
-        root ('dpo.max_length')."""
-
-    def __getattr__(self, name: str) -> Any:
-        # reached only for a field left out of a stage's view (rlhf/pipeline/params.py, ``for_stage``)
-        if name in type(self).model_fields:
-            stage, prefix = self.__pydantic_private__.get("_view") or ("?", "")
-            raise ParamsError(f"{stage} reads {prefix}{name}, which dvc.yaml does not list among its params (add it "
-                              f"to the {stage} stage's params there)")
-        return super().__getattr__(name)
 
 
 class Schedule(Section):
@@ -78,11 +45,6 @@ class Schedule(Section):
     newest); 0 or null: off."""
 
 
-def at_most(model: BaseModel, key: str, limit: str, section: str) -> None:
-    if getattr(model, key) > getattr(model, limit):
-        raise Rule(key, f"must be <= {section}.{limit} ({getattr(model, limit)})", getattr(model, key))
-
-
 class DataParams(Section):
     source: PathOrId
     """Hub dataset id, a local folder of Parquet splits, a CSV file, or an extracted aclImdb/ folder."""
@@ -93,9 +55,8 @@ class DataParams(Section):
 class LoraParams(Section):
     r: int = Field(ge=0)
     """LoRA rank. 0: ppo, dpo and sft train every weight and ppo holds a frozen copy as reference. r > 0: they train
-    rank-r adapters only (peft), the reference is the same model with its adapters off (one copy of the weights),
-    checkpoints hold the adapters, and models/* are saved merged (from_pretrained loads them as usual). sft from
-    scratch trains every weight whatever r says: a random init has nothing to adapt."""
+    rank-r adapters only (peft), the reference is the same model with its adapters off, checkpoints hold the adapters
+    and models/* are saved merged. sft from scratch trains every weight whatever r says."""
     alpha: float = Field(gt=0)
     """The adapters' update is scaled by alpha / r."""
     dropout: float = Field(ge=0, lt=1)
@@ -172,8 +133,7 @@ class SftParams(Schedule):
     dropout: float = Field(ge=0, lt=1)
     """Dropout of a from-scratch model (residual, embedding and attention)."""
     max_tokens: int = Field(gt=0)
-    """Training budget in tokens (steps = max_tokens // (batch_size * block_size * gradient_accumulation_steps), at
-    least one)."""
+    """Training budget in tokens: max_tokens // (batch_size * block_size * gradient_accumulation_steps) steps."""
     block_size: int = Field(ge=2)
     """Tokens per packed training block (reviews joined with EOS); a block of n gives n - 1 next-token targets."""
     batch_size: int = Field(gt=0)
@@ -213,8 +173,7 @@ def _module_callable(value: str) -> str:
 class RewardFunctionParams(Section):
     function: Annotated[str, AfterValidator(_module_callable)]
     """'module:callable', called as f(queries, responses) with two lists of strings, returning one float per
-    response (a list, array or tensor); the module importable from the project root (rewards/text.py is
-    rewards.text) or an installed package."""
+    response; the module importable from the project root (rewards/text.py is rewards.text) or installed."""
     weight: float
     """Its weight in the training reward."""
 
@@ -231,11 +190,10 @@ class RewardParams(Schedule):
     """Label name of the positive class in reward.model's (and the judges') config; a two-label model whose labels are
     unnamed (LABEL_0, LABEL_1) reads index 1."""
     functions: list[RewardFunctionParams]
-    """Python reward functions, added to the model's score times their weights: the training reward of ppo, of
-    best-of-N and of sampled DPO pairs, evaluate's reward column and the optimum's pool. Each is called once on a few
-    prompts before a stage loads any model; one that cannot be imported, raises, returns the wrong count or a NaN stops
-    the stage naming it (a NaN always: ppo.nan_policy is for the models'). Its module file must be among the stage's
-    deps in dvc.yaml (rewards/ is) unless it comes from an installed package."""
+    """Python reward functions, added to the model's score times their weights: the training reward of ppo, best-of-N
+    and sampled DPO pairs, evaluate's reward column and the optimum's pool. Each is tried on a few prompts before a
+    stage loads a model: one that cannot be imported, raises, returns the wrong count or a NaN stops the stage. Its
+    module file must be among the stage's deps in dvc.yaml (rewards/ is) unless it is installed."""
     epochs: int = Field(gt=0)
     """Shuffled passes over the training pairs."""
     batch_size: int = Field(gt=0)
@@ -255,11 +213,6 @@ class RewardParams(Schedule):
                                 "responses", self.model)
         return self
 
-    def check_with(self, params: Any) -> None:
-        if self.train and self.base == "sft" and not params.sft.enabled:
-            raise Rule("reward.base", "is 'sft' but sft.enabled is false (enable sft or name another base)",
-                       self.base)
-
 
 class DpoParams(Schedule):
     loss: Literal["dpo", "ipo"]
@@ -272,9 +225,8 @@ class DpoParams(Schedule):
     tau: float = Field(gt=0)
     """IPO's regularisation strength: the target log-ratio margin is 1 / (2 tau) nats per sequence."""
     pairs: Literal["prepare", "sampled"]
-    """prepare: prepare's data/pairs (a positive against a negative review's opening, the reward model's pairs);
-    sampled: samples_per_prompt completions per train prompt from the initial policy, ranked by the reward scorer
-    (data/sampled_pairs, the DPO paper's IMDb setup)."""
+    """prepare: prepare's data/pairs (the reward model's pairs); sampled: samples_per_prompt completions per train
+    prompt from the initial policy, ranked by the reward scorer (data/sampled_pairs, the DPO paper's IMDb setup)."""
     samples_per_prompt: int = Field(ge=2)
     """k: completions sampled per prompt for sampled pairs; every two with different scores make a pair."""
     sample_prompts: int | None = Field(gt=0)
@@ -286,30 +238,11 @@ class DpoParams(Schedule):
     max_length: int = Field(gt=0)
     """Token cap of prompt + response; responses are cut to fit."""
 
-    def check_with(self, params: Any) -> None:
-        s = params.sft
-        if s.enabled and s.base == "scratch" and self.max_length > s.n_positions:
-            raise Rule("dpo.max_length", f"must fit sft.n_positions ({s.n_positions})", self.max_length)
-
-    @property
-    def reward_coef(self) -> float:
-        """The implicit reward's coefficient: beta for DPO; tau for IPO, whose regulariser is tau KL."""
-        return self.beta if self.loss == "dpo" else self.tau
-
-
-class OptimumParams(Section):
-    samples_per_prompt: int = Field(ge=0)
-    """N: reference samples per eval prompt in the pool the optimum and best-of-n are estimated from (0: off). The
-    estimate holds up to about log N - 1 nats of KL (the optimum stage marks the points beyond)."""
-    prompts: int | None = Field(gt=0)
-    """Eval prompts pooled (the first ones); null: all of them."""
-
 
 class EvaluateParams(Section):
     judges: list[PathOrId]
-    """Extra scorers: 'vader' (lexicon, no download) or any sentiment classifier (Hub id or local dir); metrics keys
-    judge.<name>.* use 'vader' or the model's last path component, sanitized ('lvwerra/distilbert-imdb' ->
-    'distilbert-imdb')."""
+    """Extra scorers: 'vader' (lexicon) or any sentiment classifier (Hub id or local dir); metrics keys judge.<name>.*,
+    the name 'vader' or the model's last path component ('lvwerra/distilbert-imdb': distilbert-imdb)."""
     greedy: bool
     """Also run a greedy-decoding pass of both models and report its scores (keys reward.policy_greedy_*, ...)."""
     batch_size: int = Field(gt=0)
@@ -321,7 +254,6 @@ class EvaluateParams(Section):
 
     @property
     def judge_names(self) -> list[str]:
-        """The metrics name of each judge, in order (unique: validation refuses two judges with one name)."""
         return [judge_name(spec) for spec in self.judges]
 
     @model_validator(mode="after")
@@ -331,4 +263,57 @@ class EvaluateParams(Section):
             if name in names[:i]:
                 raise Rule(f"judges[{i}]", f"judge name {name!r} repeats evaluate.judges[{names.index(name)}] (names "
                                            "are the model's basename; list each judge once)", self.judges[i])
+        return self
+
+
+class OptimumParams(Section):
+    samples_per_prompt: int = Field(ge=0)
+    """N: reference samples per eval prompt in the pool the optimum and best-of-n are estimated from (0: off). The
+    estimate holds up to about log N - 1 nats of KL (the optimum stage marks the points beyond)."""
+    prompts: int | None = Field(gt=0)
+    """Eval prompts pooled (the first ones); null: all of them."""
+
+
+class Params(Section):
+    """The whole of params.yaml."""
+
+    seed: int = Field(ge=0, lt=2**32)
+    """Seed of every random generator (each output derives its own from it); below 2**32, as NumPy's seeds are."""
+    method: Literal["ppo", "dpo", "best_of_n"]
+    """How the evaluated policy is made: ppo (RL against the reward scorer), dpo (DPO or IPO on preference pairs) or
+    best_of_n (no training: the reward scorer's best of evaluate.best_of_n reference samples). The other methods'
+    stages write only a marker."""
+    data: DataParams
+    model: ModelParams
+    prepare: PrepareParams
+    sft: SftParams
+    reward: RewardParams
+    ppo: PpoParams
+    dpo: DpoParams
+    evaluate: EvaluateParams
+    optimum: OptimumParams
+
+    @property
+    def tokenizer_path(self) -> str:
+        """model.tokenizer, else the SFT base or the policy it belongs to."""
+        if self.model.tokenizer is not None:
+            return self.model.tokenizer
+        return self.sft.base if self.sft.enabled and self.sft.base != "scratch" else self.model.policy
+
+    @model_validator(mode="after")
+    def _rules(self) -> Params:
+        """The rules between sections."""
+        reward, sft, scratch = self.reward, self.sft, self.sft.enabled and self.sft.base == "scratch"
+        if reward.train and reward.base == "sft" and not sft.enabled:
+            raise Rule("reward.base", "is 'sft' but sft.enabled is false (enable sft or name another base)",
+                       reward.base)
+        if self.model.lora.r and self.ppo.critic == "separate":
+            raise Rule("ppo.value_model", "must be 'shared' with model.lora.r > 0 (a separate critic would hold a "
+                                          "second full copy of the weights, what LoRA saves)", self.ppo.value_model)
+        longest = self.prepare.prompt_max_tokens + self.ppo.response_max_tokens
+        if scratch and longest > sft.n_positions:
+            raise Rule("ppo.response_max_tokens", f"prompt_max_tokens + response_max_tokens ({longest}) must fit "
+                                                  f"sft.n_positions ({sft.n_positions})", self.ppo.response_max_tokens)
+        if scratch and self.dpo.max_length > sft.n_positions:
+            raise Rule("dpo.max_length", f"must fit sft.n_positions ({sft.n_positions})", self.dpo.max_length)
         return self

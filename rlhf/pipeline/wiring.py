@@ -1,6 +1,6 @@
-"""dvc.yaml, read by the code: the one place where a stage's dependencies, the params it reads and its outputs are
-written. ``StagedOutputs.of`` writes a stage's outputs as dvc.yaml lists them, ``load_params(stage)`` lets the stage
-read only the params dvc.yaml lists for it, checkpoints are keyed by them and ``--help`` prints them."""
+"""dvc.yaml, read by the code: the one place where a stage's deps, the params it reads and its outputs are written.
+``StagedOutputs.of`` writes the outputs it lists, ``load_params(stage)`` lets the stage read only the params it lists,
+checkpoints are keyed by them and ``--help`` prints them."""
 
 from __future__ import annotations
 
@@ -17,18 +17,13 @@ DVC_YAML = Path("dvc.yaml")
 
 @dataclass(frozen=True)
 class Wiring:
-    """One stage of dvc.yaml: its ``deps`` (code and data), the ``params`` keys (a section name stands for all its
-    keys) and its ``outputs`` (outs, metrics and plots)."""
+    """One stage of dvc.yaml: ``deps`` (code and data), ``params`` (a section name stands for all its keys) and
+    ``outputs`` (its outs, metrics and plots)."""
 
     name: str
     deps: tuple[str, ...]
     params: tuple[str, ...]
     outputs: tuple[Path, ...]
-
-
-def _entries(items: list | None) -> list[str]:
-    """dvc.yaml list entries as strings: ``path`` or ``{path: {options}}``."""
-    return [item if isinstance(item, str) else next(iter(item)) for item in items or []]
 
 
 @functools.cache
@@ -45,10 +40,12 @@ def stages(dvc_yaml: Path = DVC_YAML) -> dict:
 
 
 def wiring(name: str, dvc_yaml: Path = DVC_YAML) -> Wiring:
-    """The stage ``name`` as ``dvc_yaml`` (default: ./dvc.yaml) declares it."""
-    stages_ = stages(dvc_yaml)
-    if name not in stages_:
-        raise PipelineError(f"{dvc_yaml}: no stage {name!r} (stages: {', '.join(stages_)})")
-    stage = stages_[name]
-    outputs = [Path(p) for kind in ("outs", "metrics", "plots") for p in _entries(stage.get(kind))]
-    return Wiring(name, tuple(_entries(stage.get("deps"))), tuple(_entries(stage.get("params"))), tuple(outputs))
+    """The stage ``name`` as ``dvc_yaml`` declares it."""
+    if name not in (every := stages(dvc_yaml)):
+        raise PipelineError(f"{dvc_yaml}: no stage {name!r} (stages: {', '.join(every)})")
+
+    def entries(kind: str) -> list[str]:  # ``path`` or ``{path: {options}}``
+        return [item if isinstance(item, str) else next(iter(item)) for item in every[name].get(kind) or []]
+
+    return Wiring(name, tuple(entries("deps")), tuple(entries("params")),
+                  tuple(Path(p) for kind in ("outs", "metrics", "plots") for p in entries(kind)))

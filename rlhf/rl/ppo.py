@@ -95,21 +95,18 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str = "
     raise ValueError(f"kl_penalty: unknown mode {mode!r} (expected kl, abs, mse, k3 or full)")
 
 
-def compute_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
-                    kl_coef: float, kl_mode: str = "kl", logits: torch.Tensor | None = None,
-                    ref_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token rewards: -kl_coef * KL on every real token, plus the sequence's (B,) score on its last real token.
+def compute_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
+                    kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards R(x, y) - kl_coef * KL (Ziegler et al. 2019): -kl_coef * ``kl`` on every token, plus the
+    sequence's (B,) score on its last real token. ``kl``: ``kl_penalty``'s (B, T) estimate, zero off the mask.
 
-    Returns (rewards, non_score_reward, kl), each (B, T) and zero off the mask.
+    Returns (rewards, non_score_reward), each (B, T).
     """
     require_real_tokens(mask, "compute_rewards", " to carry their score")
-    last = last_true_indices(mask)
-    mask = mask.to(logprobs.dtype)
-    kl = kl_penalty(logprobs, ref_logprobs, kl_mode, logits, ref_logits) * mask
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
-    rewards[torch.arange(len(scores), device=scores.device), last] += scores.to(rewards.dtype)
-    return rewards, non_score_reward, kl
+    rewards[torch.arange(len(scores), device=scores.device), last_true_indices(mask)] += scores.to(rewards.dtype)
+    return rewards, non_score_reward
 
 
 # ---------------------------------------------------------------------------------------------------------------------

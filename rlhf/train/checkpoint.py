@@ -7,7 +7,8 @@ first (io.discard). Its ``state.json``, written last, carries a fingerprint of e
 (params, input files, code, library versions, process count) and the size of every file saved; a checkpoint with
 another fingerprint belongs to another run, and one that does not match what was saved (``damage``) is damaged:
 either is removed with a log line, and the run resumes from its newest whole checkpoint or starts over. A completed
-run deletes its checkpoints once its outputs are in place (io.StagedOutputs).
+run deletes its checkpoints once its outputs are in place (io.StagedOutputs). A stage whose dvc was killed stops right
+after its next checkpoint (``stop_if_dvc_gone``).
 
 Layout of a checkpoint:
     model.safetensors   the trained weights of the module (``trained_weights``: policy, and value head and critic
@@ -19,9 +20,12 @@ Layout of a checkpoint:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
+import os
 import pickle
 import shutil
 import zipfile
@@ -37,7 +41,7 @@ from rlhf.models.loading import safetensors_problem
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.io import REMOVED, atomic_path, check_writable, discard, remove, require_free_space
 from rlhf.pipeline.params import Params, expand, stage_values
-from rlhf.pipeline.paths import CHECKPOINT_PREFIX, checkpoints
+from rlhf.pipeline.paths import CHECKPOINT_PREFIX, checkpoint_dir, checkpoints
 from rlhf.pipeline.wiring import wiring
 
 log = logging.getLogger(__name__)
@@ -248,3 +252,54 @@ def restore_files(checkpoint: Checkpoint, files: dict[str, Path]) -> None:
         if source.exists():
             shutil.copytree(source, target)
 
+
+# --- a stage whose dvc has exited ------------------------------------------------------------------------------------
+# ``kill <pid of dvc>`` stops DVC alone: the stage would run on as an orphan whose result DVC never records, and the
+# next ``dvc repro`` would start it over. So a stage that DVC started stops right after its next checkpoint once DVC
+# has exited, and the rerun resumes from it. A stage run by hand is never stopped this way (``nohup`` on purpose).
+
+
+def _is_dvc(cmdline: list[str]) -> bool:
+    """``dvc ...``, ``/path/to/dvc ...``, ``python /path/to/dvc ...`` or ``python -m dvc ...``."""
+    return (any(Path(arg).name == "dvc" for arg in cmdline[:2])
+            or any(a == "-m" and b == "dvc" for a, b in zip(cmdline, cmdline[1:], strict=False)))
+
+
+@functools.cache
+def _dvc_process() -> tuple[int, float] | None:
+    """(pid, start time) of the dvc that started this stage (DVC sets DVC_STAGE, and runs the command through a shell
+    that may or may not exec it): the nearest ancestor running dvc."""
+    if "DVC_STAGE" not in os.environ:
+        return None
+    import psutil  # a DVC dependency
+
+    for process in psutil.Process().parents():
+        with contextlib.suppress(psutil.Error):
+            if _is_dvc(process.cmdline()):
+                return process.pid, process.create_time()
+    return None
+
+
+def dvc_gone() -> int | None:
+    """The pid of the dvc that started this stage once it has exited; None while it runs, or when none did. The start
+    time tells a reused pid from it; a zombie has exited."""
+    if (found := _dvc_process()) is None:
+        return None
+    import psutil
+
+    pid, started = found
+    try:
+        process = psutil.Process(pid)
+        alive = process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        alive = False
+    return None if alive else pid
+
+
+def stop_if_dvc_gone(stage: str, step: int, pid: int | None) -> None:
+    """Right after a checkpoint of ``stage``: with ``pid`` (``dvc_gone()``, agreed by every process), stop."""
+    if pid is not None:
+        kept = checkpoints(checkpoint_dir(stage))
+        raise PipelineError(f"stopped after step {step}: the dvc process that ran {stage} (pid {pid}) has exited, so "
+                            f"it would never record this run; checkpoint {kept[-1] if kept else 'none'} kept: rerun "
+                            "(dvc repro) to resume")

@@ -243,8 +243,9 @@ def pair_stats(losses: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch
     the loss, and named as TRL's DPOTrainer logs them, the implicit rewards of chosen and rejected, their accuracy
     and margin and the policy's log-probs; plus the log-ratios log pi / pi_ref of chosen and rejected."""
     logratios = logprobs - ref_logprobs
-    chosen = pref.implicit_rewards(logprobs[:, 0], ref_logprobs[:, 0], config.reward_coef)
-    rejected = pref.implicit_rewards(logprobs[:, 1], ref_logprobs[:, 1], config.reward_coef)
+    coef = config.beta if config.loss == "dpo" else config.tau  # IPO's regulariser is tau KL
+    chosen = pref.implicit_rewards(logprobs[:, 0], ref_logprobs[:, 0], coef)
+    rejected = pref.implicit_rewards(logprobs[:, 1], ref_logprobs[:, 1], coef)
     return {
         "loss": losses.mean().item(),
         "rewards/chosen": chosen.mean().item(),

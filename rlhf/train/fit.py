@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from rlhf.pipeline.errors import TrainingError, interrupted_at
 from rlhf.pipeline.paths import checkpoint_dir
-from rlhf.pipeline.under_dvc import dvc_gone, stop_if_dvc_gone
 from rlhf.train import checkpoint, rng
 from rlhf.train.batches import Batches
 
@@ -93,7 +92,7 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
             if plan.fingerprint and (step + 1) % plan.checkpoint_every == 0 and step + 1 < plan.steps:
                 save(folder, plan, step, model, optimizer, schedule, {
                     "losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})
-                stop_if_dvc_gone(plan.section, step, dvc_gone())
+                checkpoint.stop_if_dvc_gone(plan.section, step, checkpoint.dvc_gone())
     return FitResult(losses, earlier + time.perf_counter() - start)
 
 

@@ -17,7 +17,6 @@ from rlhf.models.policy import PolicyWithValueHead
 from rlhf.models.scorers import reward_model_path
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS, checkpoint_dir, staging_path
-from rlhf.pipeline.under_dvc import dvc_gone, stop_if_dvc_gone
 from rlhf.train import checkpoint, rng
 from rlhf.train.batches import Batches
 from rlhf.train.ppo_trainer import PPOTrainer
@@ -68,13 +67,13 @@ class Checkpointing:
 
     def stop_if_dvc_gone(self, step: int, accelerator: Accelerator) -> None:
         """After a save: stop, every process alike, when the dvc that started the stage has exited
-        (under_dvc.dvc_gone)."""
+        (checkpoint.dvc_gone)."""
         from accelerate.utils import gather_object
 
-        gone = [dvc_gone()]
+        gone = [checkpoint.dvc_gone()]
         if accelerator.num_processes > 1:
             gone = gather_object(gone)
-        stop_if_dvc_gone("ppo", step, next((pid for pid in gone if pid is not None), None))
+        checkpoint.stop_if_dvc_gone("ppo", step, next((pid for pid in gone if pid is not None), None))
 
     def restore(self, found: checkpoint.Checkpoint, trainer: PPOTrainer, order: Batches,
                 accelerator: Accelerator) -> None:

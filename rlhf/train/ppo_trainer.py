@@ -159,11 +159,13 @@ class PPOTrainer:
             with self.reference() as reference:
                 ref = forward(reference, samples, cfg.temperature, keep_logits=full)
         masks = samples.response_mask
-        rewards, non_score_reward, kl = ppo.compute_rewards(scores, out.logprobs, ref.logprobs, masks,
-                                                            self.kl_ctl.value, cfg.kl_penalty, out.logits, ref.logits)
+        kl = ppo.kl_penalty(out.logprobs, ref.logprobs, cfg.kl_penalty, out.logits, ref.logits) * masks
+        rewards, non_score_reward = ppo.compute_rewards(scores, kl, masks, self.kl_ctl.value)
         advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(rewards, masks, out.values, cfg)
-        experience = ppo.Experience(out.logprobs, ref.logprobs, out.values, advantages, returns, masks)
-        return Rollout(samples, queries, responses, scores, experience, rewards, non_score_reward, kl, out.entropy)
+        experience = ppo.Experience(logprobs=out.logprobs, ref_logprobs=ref.logprobs, values=out.values,
+                                    advantages=advantages, returns=returns, masks=masks)
+        return Rollout(samples=samples, queries=queries, responses=responses, scores=scores, experience=experience,
+                       rewards=rewards, non_score_reward=non_score_reward, kl=kl, entropy=out.entropy)
 
     def update(self, rollout: Rollout, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches; gradients accumulate over micro-batches.
