@@ -26,7 +26,7 @@ from rlhf.models.decoding import (
 )
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.lora import add_lora
-from rlhf.models.policy import position_ids_from
+from rlhf.models.policy import kv_cache, position_ids_from
 from rlhf.models.rollout import left_pad
 from rlhf.models.sampling import SamplingParams
 from rlhf.models.static_decoder import StaticDecoder, static_decoding_supports
@@ -98,15 +98,15 @@ def test_each_static_step_computes_hugging_face_s_cached_hidden_state(model: str
     with precision(name), torch.no_grad():
         decoder = StaticDecoder(lm, len(queries), P + NEW_TOKENS + 5, SamplingParams(), trim=trim)
         decoder.start(queries, mask)
+        _, cache = kv_cache(lm.base_model)  # filled in place, under the name this transformers takes
         out = lm.base_model(input_ids=queries, attention_mask=mask, position_ids=position_ids_from(mask),
-                            use_cache=True)
+                            use_cache=True, **cache)
         for t in range(NEW_TOKENS - 1):
             static = decoder.hidden()  # the step below writes the same keys and values again
             decoder.step()
             mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
             out = lm.base_model(input_ids=decoder.tokens[:, P + t: P + t + 1], attention_mask=mask,
-                                position_ids=position_ids_from(mask)[:, -1:], past_key_values=out.past_key_values,
-                                use_cache=True)
+                                position_ids=position_ids_from(mask)[:, -1:], use_cache=True, **cache)
             expected = out.last_hidden_state[:, -1]
             if trim:  # the same operators on the same operands
                 assert torch.equal(static, expected), t
