@@ -88,7 +88,7 @@ def prepare(params: Params, outputs: StagedOutputs) -> None:
         "prompt_tokens_mean": round(sum(n * c for n, c in lengths.items()) / lengths.total(), 3),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    write_json(metrics, outputs[PREPARE_METRICS])
+    write_json({"prepare": metrics}, outputs[PREPARE_METRICS])
     log.info("prepare: kept %(reviews_kept)s of %(reviews_read)s reviews; prompts %(prompts)s; pairs %(pairs)s; "
              "%(seconds).1f s", metrics)
 

@@ -21,6 +21,7 @@ from rlhf.pipeline.paths import checkpoint_dir, checkpoints, output_path
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
                 signal.SIGXCPU)
 STOPPED_BY = [signal.SIGINT]  # the signal that stopped the run, for the message and the exit status
+STARTED = time.perf_counter()  # about when the process started: stages/__init__.py imports this module first
 
 
 def stage_help(stage: str, root: Path) -> str:
@@ -94,11 +95,10 @@ def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> Non
     for signum in STOP_SIGNALS:
         signal.signal(signum, raise_interrupt)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    start = time.perf_counter()
     try:
         main()
-        if stage is not None:
-            logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - start)
+        if stage is not None:  # the wall time, imports included
+            logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - STARTED)
     except KeyboardInterrupt as e:
         for signum in STOP_SIGNALS:  # a second Ctrl-C must not add a traceback to the one line
             signal.signal(signum, signal.SIG_IGN)
