@@ -7,6 +7,9 @@ is imported on behalf of ``-m`` (sys.argv[0] is "-m" until the module is found):
   during the imports would otherwise print a long traceback from inside them); rlhf.pipeline.cli.run_stage installs
   the handlers that keep checkpoints once the stage starts;
 - the stage takes DVC's experiments lock on the workspace (``hold_workspace``) before anything else.
+
+A stage that params switch off (all but prepare and evaluate) imports its model and data code inside the functions
+that run when it is on: off, it writes its marker in about a second, without loading transformers.
 """
 
 import atexit

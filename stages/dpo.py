@@ -21,15 +21,10 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from rlhf.models.loading import initial_policy, load_initial_policy, save_pretrained
-from rlhf.models.lora import add_lora
-from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, run_switchable, write_json
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import DPO_DIR, checkpoint_dir
-from rlhf.train import checkpoint, dpo
-from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("dpo")
 
@@ -44,11 +39,18 @@ DISABLED = "method is not dpo: evaluate reads the method's own policy"
 
 def main() -> None:
     params = load_params(STAGE)
-    run_switchable(STAGE, params.method == "dpo", lambda outputs: train_dpo(params, outputs), DPO_DIR,
-                   DISABLED, {DPO_METRICS: '{"trained": false}\n', DPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
+    run_switchable(STAGE, params.method == "dpo", lambda outputs: train_dpo(params, outputs), DPO_DIR, DISABLED,
+                   {DPO_METRICS: '{"dpo": {"trained": false}}\n', DPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
 
 
 def train_dpo(params: Params, outputs: StagedOutputs) -> None:
+    # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    from rlhf.models.loading import load_initial_policy, save_pretrained
+    from rlhf.models.lora import add_lora
+    from rlhf.models.precision import pick_device
+    from rlhf.train import checkpoint, dpo
+    from rlhf.train.rng import seed_everything
+
     cfg = params.dpo
     frames = dpo.read_pair_files(cfg.pairs, cfg.batch_size)
     ref_logprobs = dpo.read_reference(dpo.reference_key(params))
@@ -74,15 +76,18 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     save_pretrained(lm, tokenizer, outputs[DPO_DIR])
     history.write_curves(outputs[DPO_CURVES])
     tail = result.losses[-20:]
-    write_json({"trained": True, "train_pairs": len(train_pairs),
-                "test_pairs": len(test_pairs), "steps": len(result.losses), "seconds": round(result.seconds, 1),
-                "train_loss": round(sum(tail) / len(tail), 4), **held_out}, outputs[DPO_METRICS])
+    write_json({"dpo": {"trained": True, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
+                        "steps": len(result.losses), "seconds": round(result.seconds, 1),
+                        "train_loss": round(sum(tail) / len(tail), 4), **held_out}}, outputs[DPO_METRICS])
     log.info("dpo: held-out implicit-reward accuracy %.3f, margin %.3f", held_out["eval/rewards/accuracies"],
              held_out["eval/rewards/margins"])
 
 
 def run_fingerprint(params: Params) -> str:
     """What determines a dpo run: the params the stage reads (not the checkpoint interval) and its inputs."""
+    from rlhf.models.loading import initial_policy
+    from rlhf.train import checkpoint, dpo
+
     initial = initial_policy(params)
     return checkpoint.fingerprint("dpo", params, [dpo.PAIR_FILES[params.dpo.pairs][0], initial.path,
                                                   initial.tokenizer],

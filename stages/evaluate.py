@@ -91,15 +91,15 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
 
     write_parquet(pa.Table.from_pandas(samples, preserve_index=False), outputs[EVAL_SAMPLES])
     scores = {"before": samples["reward_before"].to_numpy(), "after": samples["reward_after"].to_numpy()}
-    write_text(histogram(scores, x="bin").to_csv(index=False), outputs[EVAL_HISTOGRAM])
+    write_text(histogram(scores, x="bin", reference="before").to_csv(index=False), outputs[EVAL_HISTOGRAM])
     write_text(markdown_report(samples, metrics, list(scorers), params.evaluate.examples,
                                describe(params, len(samples)), after(params)), outputs[EVAL_REPORT])
     write_json(metrics, outputs[EVAL_METRICS])
     kl = (f"KL bound {metrics['kl.best_of_n_bound']:.3f}" if "kl.best_of_n_bound" in metrics else
           f"KL {metrics['kl.mean']:.3f} (exact {metrics['kl.full_mean']:.3f})")
     log.info("evaluate: %s: reward %.3f -> %.3f, positive %.2f -> %.2f, %s; report in %s", after(params),
-             metrics["reference.reward_mean"], metrics["policy.reward_mean"], metrics["reference.positive_rate"],
-             metrics["policy.positive_rate"], kl, EVAL_REPORT)
+             metrics["reward.reference_mean"], metrics["reward.policy_mean"],
+             metrics["reward.reference_positive_rate"], metrics["reward.policy_positive_rate"], kl, EVAL_REPORT)
 
 
 def after(params: Params) -> str:

@@ -22,19 +22,17 @@ import time
 import pyarrow as pa
 import torch
 
-from rlhf.data.prompts import check_prompts, read_prompts
-from rlhf.eval import optimum
-from rlhf.models.loading import load_initial_policy
-from rlhf.models.precision import pick_device
-from rlhf.models.rollout import SamplingParams, response_lengths
-from rlhf.models.runs import Sampler
-from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_parquet, write_text
 from rlhf.pipeline.params import Params, load_params
-from rlhf.pipeline.paths import EVAL_PROMPTS
-from rlhf.train.rng import seed_everything
+from rlhf.pipeline.paths import (
+    EVAL_PROMPTS,
+    OPTIMUM_BEST_OF_N,
+    OPTIMUM_CURVE,
+    OPTIMUM_METRICS,
+    OPTIMUM_POOL,
+)
 
 STAGE = "optimum"
 OUT_OF_MEMORY = "lower evaluate.batch_size"
@@ -43,11 +41,21 @@ OUT_OF_MEMORY = "lower evaluate.batch_size"
 def main() -> None:
     params = load_params(STAGE)
     run_switchable(STAGE, params.optimum.samples_per_prompt > 0, lambda outputs: estimate(params, outputs),
-                   optimum.POOL.parent, "optimum.samples_per_prompt is 0: no pool",
-                   {optimum.METRICS: '{"optimum": {"sampled": false}}\n', optimum.CURVE: "", optimum.BEST_OF_N: ""})
+                   OPTIMUM_POOL.parent, "optimum.samples_per_prompt is 0: no pool",
+                   {OPTIMUM_METRICS: '{"optimum": {"sampled": false}}\n', OPTIMUM_CURVE: "", OPTIMUM_BEST_OF_N: ""})
 
 
 def estimate(params: Params, outputs: StagedOutputs) -> None:
+    # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    from rlhf.data.prompts import check_prompts, read_prompts
+    from rlhf.eval import optimum
+    from rlhf.models.loading import load_initial_policy
+    from rlhf.models.precision import pick_device
+    from rlhf.models.rollout import SamplingParams, response_lengths
+    from rlhf.models.runs import Sampler
+    from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer
+    from rlhf.train.rng import seed_everything
+
     start = time.perf_counter()
     cfg, n = params.ppo, params.optimum.samples_per_prompt
     prompts = read_prompts(EVAL_PROMPTS)
@@ -76,12 +84,12 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     pool = optimum.score_pool(pool, prompts.queries[:P], scorers, params.evaluate.batch_size)
     curve, best_of_n = optimum.curve(pool, list(scorers)), optimum.best_of_n(pool, list(scorers))
 
-    write_parquet(pa.Table.from_pandas(pool, preserve_index=False), outputs[optimum.POOL])
-    write_text(curve.to_csv(index=False), outputs[optimum.CURVE])
-    write_text(best_of_n.to_csv(index=False), outputs[optimum.BEST_OF_N])
+    write_parquet(pa.Table.from_pandas(pool, preserve_index=False), outputs[OPTIMUM_POOL])
+    write_text(curve.to_csv(index=False), outputs[OPTIMUM_CURVE])
+    write_text(best_of_n.to_csv(index=False), outputs[OPTIMUM_BEST_OF_N])
     reliable = curve[curve["reliable"]]["kl"]
     write_json({"optimum": {"prompts": P, "samples": n, "reliable_kl": round(float(reliable.max()), 3),
-                            "seconds": round(time.perf_counter() - start, 1)}}, outputs[optimum.METRICS])
+                            "seconds": round(time.perf_counter() - start, 1)}}, outputs[OPTIMUM_METRICS])
 
 
 if __name__ == "__main__":

@@ -32,28 +32,23 @@ from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.data.prompts import Prompts, check_prompts, read_prompts
-from rlhf.models.loading import check_vocab_match, context_size, initial_tokenizer, load_causal_lm
-from rlhf.models.lora import add_lora
-from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
-from rlhf.models.precision import pick_device
-from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError, ModelError, TrainingError, interrupted_at
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, write_disabled, write_json
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import POLICY_DIR, PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS
-from rlhf.train import checkpoint
-from rlhf.train.batches import Batches, ShuffledBatches
-from rlhf.train.ppo_checkpoint import Checkpointing, find_checkpoint
-from rlhf.train.ppo_trainer import PPOTrainer
-from rlhf.train.rng import seed_everything
-from rlhf.train.rollout_log import RolloutWriter, rollout_rows
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from rlhf.data.prompts import Prompts
+    from rlhf.models.policy import PolicyWithValueHead
+    from rlhf.train import checkpoint
+    from rlhf.train.batches import Batches
+    from rlhf.train.ppo_checkpoint import Checkpointing
+    from rlhf.train.ppo_trainer import PPOTrainer
 
 log = logging.getLogger("ppo")
 
@@ -68,15 +63,19 @@ OUT_OF_MEMORY = ("lower ppo.batch_size (generation holds the whole batch) or ppo
 
 
 def main() -> None:
-    from accelerate import Accelerator
-
     params = load_params(STAGE)
     if params.method != "ppo":
         with StagedOutputs.of(STAGE) as outputs:
-            write_disabled(outputs, POLICY_DIR, DISABLED, {PPO_METRICS: '{"trained": false}\n',
+            write_disabled(outputs, POLICY_DIR, DISABLED, {PPO_METRICS: '{"ppo": {"trained": false}}\n',
                                                            ROLLOUTS_DIR / DISABLED_MARKER: DISABLED + "\n",
                                                            PPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
         return
+    # imported here and in the functions below: switched off, the stage loads none of it (stages/__init__.py)
+    from accelerate import Accelerator
+
+    from rlhf.data.prompts import read_prompts
+    from rlhf.models.precision import pick_device
+
     prompts = read_prompts(TRAIN_PROMPTS)
     cfg = params.ppo
     if len(prompts) < cfg.prompts_per_step:
@@ -98,6 +97,15 @@ def main() -> None:
 def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: StagedOutputs | None) -> None:
     """Train from the initial policy (or the newest checkpoint) and write the outputs (``outputs``: None on every
     process but the main one)."""
+    from rlhf.data.prompts import check_prompts
+    from rlhf.models.policy import save_policy
+    from rlhf.models.scorers import make_reward_scorer
+    from rlhf.train import checkpoint
+    from rlhf.train.batches import ShuffledBatches
+    from rlhf.train.ppo_checkpoint import find_checkpoint
+    from rlhf.train.ppo_trainer import PPOTrainer
+    from rlhf.train.rng import seed_everything
+
     cfg = params.ppo
     device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
     # first: a reward function that fails, or a model that cannot score (or not the longest prompt + response),
@@ -124,10 +132,14 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
 
     if is_main:
         save_policy(trainer.policy, tokenizer, outputs[POLICY_DIR])
-        summary = {"steps": cfg.steps, "processes": accelerator.num_processes,
-                   "seconds": round(time.perf_counter() - start, 1), "skipped_batches": trainer.skipped_batches,
-                   **{k: v for k, v in last.items() if k.startswith(("objective/", "throughput/"))}}
-        write_json(summary, outputs[PPO_METRICS])
+        seconds = time.perf_counter() - start
+        # the run's throughput (the steps since a resume, every process's samples) and the last step's objective
+        samples = (cfg.steps - (found.step + 1 if found is not None else 0)) * cfg.batch_size
+        summary = {"trained": True, "processes": accelerator.num_processes, "seconds": round(seconds, 1),
+                   "skipped_batches": trainer.skipped_batches,
+                   "throughput/samples_per_s": round(samples * accelerator.num_processes / seconds, 2),
+                   **{k: v for k, v in last.items() if k.startswith("objective/")}}
+        write_json({"ppo": summary}, outputs[PPO_METRICS])
         log.info("ppo: %s", summary)
 
 
@@ -135,6 +147,10 @@ def load_models(params: Params, device: torch.device
                 ) -> tuple[PolicyWithValueHead, PreTrainedModel | None, PreTrainedTokenizerBase]:
     """Policy (+ value head), frozen reference and tokenizer, checked against each other and the prompt lengths. With
     model.lora.r > 0 the policy's LM trains adapters and the reference is None: that LM with its adapters off."""
+    from rlhf.models.loading import check_vocab_match, context_size, initial_tokenizer, load_causal_lm
+    from rlhf.models.lora import add_lora
+    from rlhf.models.policy import PolicyWithValueHead, disable_dropout
+
     initial, tokenizer = initial_tokenizer(params)
     what = initial.what
     lm = load_causal_lm(initial.path, params.model, what=what)
@@ -162,6 +178,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
     """The steps after the resumed one (if any) to ppo.steps, logging rollouts and curves (main process, under
     ``outputs``' staging) and checkpointing at each rollout-log flush. Returns the last step's stats."""
     from rlhf.train.curves import open_curves  # dvclive's import is slow: only where curves are written
+    from rlhf.train.rollout_log import RolloutWriter, rollout_rows
 
     cfg, is_main = trainer.cfg, accelerator.is_main_process
     first, last = (found.step + 1, found.state["last_stats"]) if found is not None else (0, {})

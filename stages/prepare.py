@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from rlhf.data.imdb import filter_reviews, load_imdb, warn_if_untracked
-from rlhf.data.prepare import build_pairs, build_prompts, generator, read_pairs_file, tokenize
+from rlhf.data.prepare import Tokenized, build_pairs, build_prompts, generator, read_pairs_file, tokenize
 from rlhf.models.loading import load_tokenizer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
@@ -60,16 +60,17 @@ def prepare(params: Params, outputs: StagedOutputs) -> None:
             raise DataError(f"prepare.{key}: {n} prompts asked, but only {len(reviews[split])} {split} reviews of "
                             f"{source} pass prepare.min_review_chars")
     max_tokens = max(p.prompt_max_tokens, p.pair_max_tokens if from_imdb else 0)
-    ids = {name: tokenize(frame["text"].tolist(), tokenizer, max_tokens) for name, frame in reviews.items()}
+    tokenized = {name: Tokenized(frame, tokenize(frame["text"].tolist(), tokenizer, max_tokens), tokenizer)
+                 for name, frame in reviews.items()}
 
     prompts = {
-        out: build_prompts(reviews[split], ids[split], tokenizer, n, p.prompt_min_tokens, p.prompt_max_tokens,
+        out: build_prompts(tokenized[split], n, (p.prompt_min_tokens, p.prompt_max_tokens),
                            generator(params.seed, f"prompts/{out}"))
         for out, split, n in (("train", "train", p.train_prompts), ("eval", "test", p.eval_prompts))
     }
     if from_imdb:
-        pairs = {split: build_pairs(reviews[split], ids[split], tokenizer, n, p.pair_min_tokens, p.pair_max_tokens,
-                                    p.pairs_by_rating, generator(params.seed, f"pairs/{split}"), f"{source} [{split}]")
+        pairs = {split: build_pairs(tokenized[split], n, (p.pair_min_tokens, p.pair_max_tokens), p.pairs_by_rating,
+                                    generator(params.seed, f"pairs/{split}"), f"{source} [{split}]")
                  for split, n in (("train", p.train_pairs), ("test", p.test_pairs))}
 
     for folder, tables in ((PROMPTS_DIR, prompts), (PAIRS_DIR, pairs)):
@@ -87,7 +88,7 @@ def prepare(params: Params, outputs: StagedOutputs) -> None:
         "prompt_tokens_mean": round(sum(n * c for n, c in lengths.items()) / lengths.total(), 3),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    write_json(metrics, outputs[PREPARE_METRICS])
+    write_json({"prepare": metrics}, outputs[PREPARE_METRICS])
     log.info("prepare: kept %(reviews_kept)s of %(reviews_read)s reviews; prompts %(prompts)s; pairs %(pairs)s; "
              "%(seconds).1f s", metrics)
 

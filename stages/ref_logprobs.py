@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import logging
 
-from rlhf.models.loading import load_initial_policy
-from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import StagedOutputs, run_switchable
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import REF_LOGPROBS_DIR
-from rlhf.train import dpo
 
 log = logging.getLogger("ref_logprobs")
 
@@ -37,6 +34,11 @@ def main() -> None:
 
 
 def write_reference(params: Params, outputs: StagedOutputs) -> None:
+    # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    from rlhf.models.loading import load_initial_policy
+    from rlhf.models.precision import pick_device
+    from rlhf.train import dpo
+
     cfg = params.dpo
     frames = dpo.read_pair_files(cfg.pairs, batch_size=None)
     lm, tokenizer, what = load_initial_policy(params)

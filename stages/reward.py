@@ -13,18 +13,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from rlhf.data.pairs import read_pairs
-from rlhf.eval.plots import histogram
-from rlhf.models.loading import save_pretrained
-from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import REWARD_DIR, TEST_PAIRS, TRAIN_PAIRS
-from rlhf.train.checkpoint import weights_bytes
-from rlhf.train.reward_model import build, evaluate, train
-from rlhf.train.rng import seed_everything
 
 STAGE = "reward"
 REWARD_METRICS = Path("metrics/reward.json")
@@ -37,10 +30,19 @@ def main() -> None:
     params = load_params(STAGE)
     run_switchable(STAGE, params.reward.train, lambda outputs: train_reward(params, outputs),
                    REWARD_DIR, "reward.train is false: ppo and evaluate score with reward.model",
-                   {REWARD_METRICS: '{"trained": false}\n', REWARD_SCORES: "score,positive,negative\n"})
+                   {REWARD_METRICS: '{"reward": {"trained": false}}\n', REWARD_SCORES: "score,positive,negative\n"})
 
 
 def train_reward(params: Params, outputs: StagedOutputs) -> None:
+    # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    from rlhf.data.pairs import read_pairs
+    from rlhf.eval.plots import histogram
+    from rlhf.models.loading import save_pretrained
+    from rlhf.models.precision import pick_device
+    from rlhf.train.checkpoint import weights_bytes
+    from rlhf.train.reward_model import build, evaluate, train
+    from rlhf.train.rng import seed_everything
+
     generator = seed_everything(params.seed)
     train_pairs, test_pairs = read_pairs(TRAIN_PAIRS), read_pairs(TEST_PAIRS)
     if len(train_pairs) < params.reward.batch_size:
@@ -59,7 +61,7 @@ def train_reward(params: Params, outputs: StagedOutputs) -> None:
                "rejected_score_mean": round(rejected.mean().item(), 4),
                "train_loss": round(sum(result.losses[-20:]) / len(result.losses[-20:]), 4),
                "pairs": len(train_pairs), "seconds": round(result.seconds, 1)}
-    write_json(metrics, outputs[REWARD_METRICS])
+    write_json({"reward": metrics}, outputs[REWARD_METRICS])
     write_text(histogram({"positive": chosen.numpy(), "negative": rejected.numpy()}, x="score").to_csv(index=False),
                outputs[REWARD_SCORES])
     logging.getLogger("reward").info("reward: held-out pair accuracy %.3f", metrics["accuracy"])

@@ -15,14 +15,8 @@ initial policy writes. The output is cached by DVC: it is sampled again only whe
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from rlhf.data.prompts import Prompts, check_prompts, read_prompts
-from rlhf.data.sampled_pairs import sample_pairs
-from rlhf.models.decoding import SamplingParams
-from rlhf.models.loading import load_initial_policy
-from rlhf.models.precision import pick_device
-from rlhf.models.runs import Sampler
-from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_parquet
@@ -33,7 +27,9 @@ from rlhf.pipeline.paths import (
     SAMPLED_TRAIN_PAIRS,
     TRAIN_PROMPTS,
 )
-from rlhf.train.rng import seed_everything
+
+if TYPE_CHECKING:
+    from rlhf.data.prompts import Prompts
 
 log = logging.getLogger("sample_pairs")
 
@@ -62,6 +58,16 @@ def split(prompts: Prompts, limit: int | None) -> tuple[list[int], list[int]]:
 
 
 def write_pairs(params: Params, outputs: StagedOutputs) -> None:
+    # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    from rlhf.data.prompts import check_prompts, read_prompts
+    from rlhf.data.sampled_pairs import sample_pairs
+    from rlhf.models.decoding import SamplingParams
+    from rlhf.models.loading import load_initial_policy
+    from rlhf.models.precision import pick_device
+    from rlhf.models.runs import Sampler
+    from rlhf.models.scorers import make_reward_scorer
+    from rlhf.train.rng import seed_everything
+
     prompts = read_prompts(TRAIN_PROMPTS)
     indices = split(prompts, params.dpo.sample_prompts)
     seed_everything(params.seed)

@@ -13,19 +13,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
-
-from rlhf.data.imdb import filter_reviews, load_imdb
-from rlhf.models.loading import check_vocab_match, load_tokenizer, save_pretrained
-from rlhf.models.precision import pick_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import SFT_DIR
-from rlhf.train.checkpoint import weights_bytes
-from rlhf.train.rng import seed_everything
-from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
 
 EVAL_BATCH = 16
 
@@ -40,10 +31,21 @@ def main() -> None:
     params = load_params(STAGE)
     run_switchable(STAGE, params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
                    "sft.enabled is false: ppo and evaluate use model.policy",
-                   {SFT_METRICS: '{"enabled": false}\n', SFT_LOSS: "step,loss\n"})
+                   {SFT_METRICS: '{"sft": {"trained": false}}\n', SFT_LOSS: "step,loss\n"})
 
 
 def train_sft(params: Params, outputs: StagedOutputs) -> None:
+    # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    import numpy as np
+    import pandas as pd
+
+    from rlhf.data.imdb import filter_reviews, load_imdb
+    from rlhf.models.loading import check_vocab_match, load_tokenizer, save_pretrained
+    from rlhf.models.precision import pick_device
+    from rlhf.train.checkpoint import weights_bytes
+    from rlhf.train.rng import seed_everything
+    from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
+
     s = params.sft
     generator = seed_everything(params.seed)
     tokenizer_path = params.model.tokenizer or (s.base if s.base != "scratch" else params.model.policy)
@@ -65,9 +67,10 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     ppl = perplexity(lm, held_out, EVAL_BATCH, device)
     save_pretrained(lm, tokenizer, outputs[SFT_DIR])
     tail, tokens = result.losses[-20:], len(result.losses) * tokens_per_step(s)
-    write_json({"enabled": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
-                "tokens": tokens, "tokens_per_s": round(tokens / result.seconds, 1),
-                "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}, outputs[SFT_METRICS])
+    write_json({"sft": {"trained": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
+                        "tokens": tokens, "tokens_per_s": round(tokens / result.seconds, 1),
+                        "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}},
+               outputs[SFT_METRICS])
     write_text("step,loss\n" + "".join(f"{step},{loss:.5f}\n" for step, loss in enumerate(result.losses)),
                outputs[SFT_LOSS])
     logging.getLogger("sft").info("sft: held-out perplexity %.2f after %d tokens", ppl, tokens)

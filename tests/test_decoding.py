@@ -6,6 +6,8 @@ replays the eager step."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,11 +26,13 @@ from rlhf.models.decoding import (
 )
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.lora import add_lora
-from rlhf.models.policy import position_ids_from
+from rlhf.models.policy import kv_cache, position_ids_from
 from rlhf.models.rollout import left_pad
 from rlhf.models.sampling import SamplingParams
 from rlhf.models.static_decoder import StaticDecoder, static_decoding_supports
 from rlhf.pipeline.params import defaults
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SAMPLINGS = [SamplingParams(), SamplingParams(top_k=1), SamplingParams(top_k=20, top_p=0.9, temperature=0.7)]
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -94,15 +98,15 @@ def test_each_static_step_computes_hugging_face_s_cached_hidden_state(model: str
     with precision(name), torch.no_grad():
         decoder = StaticDecoder(lm, len(queries), P + NEW_TOKENS + 5, SamplingParams(), trim=trim)
         decoder.start(queries, mask)
+        _, cache = kv_cache(lm.base_model)  # filled in place, under the name this transformers takes
         out = lm.base_model(input_ids=queries, attention_mask=mask, position_ids=position_ids_from(mask),
-                            use_cache=True)
+                            use_cache=True, **cache)
         for t in range(NEW_TOKENS - 1):
             static = decoder.hidden()  # the step below writes the same keys and values again
             decoder.step()
             mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
             out = lm.base_model(input_ids=decoder.tokens[:, P + t: P + t + 1], attention_mask=mask,
-                                position_ids=position_ids_from(mask)[:, -1:], past_key_values=out.past_key_values,
-                                use_cache=True)
+                                position_ids=position_ids_from(mask)[:, -1:], use_cache=True, **cache)
             expected = out.last_hidden_state[:, -1]
             if trim:  # the same operators on the same operands
                 assert torch.equal(static, expected), t
@@ -142,6 +146,29 @@ def test_other_architectures_decode_through_the_dynamic_cache_loop(lm: PreTraine
     queries, mask = prompts(lm)
     tokens = seeded(0, decode, llama, queries, mask, NEW_TOKENS, SamplingParams(top_k=1))
     assert torch.equal(tokens, seeded(0, decode_dynamic, llama, queries, mask, NEW_TOKENS, SamplingParams(top_k=1)))
+
+
+def test_decoding_passes_the_kv_cache_as_the_installed_transformers_asks(tiny_gpt2_dir: Path) -> None:
+    """Under the name the model's forward takes it (transformers 5.24 renamed past_key_values to cache, and warns
+    wherever the old name is passed or read: the static decoder read it once a batch, the dynamic loop once a token).
+    In a fresh process, as transformers warns once a process."""
+    code = f"""
+import logging, warnings, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from rlhf.models.decoding import decode
+from rlhf.models.loading import load_causal_lm
+from rlhf.models.sampling import SamplingParams
+from rlhf.pipeline.params import defaults
+warnings.simplefilter("error")
+lm = load_causal_lm({str(tiny_gpt2_dir)!r}, defaults().model).eval()
+llama = LlamaForCausalLM(LlamaConfig(vocab_size=lm.config.vocab_size, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)).eval()
+for model in (lm, llama):
+    decode(model, torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long), 4, SamplingParams())
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "deprecated" not in result.stderr, result.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; the eager step they "

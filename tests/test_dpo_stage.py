@@ -72,7 +72,7 @@ def curve(name: str) -> list[tuple[int, float]]:
 def test_the_stage_learns_its_pairs_and_a_killed_run_resumes_to_the_same_outputs(dpo_dir: Path,
                                                                                  tiny_gpt2_dir: Path) -> None:
     dpo_stage.main()
-    metrics = json.loads(DPO_METRICS.read_text())
+    metrics = json.loads(DPO_METRICS.read_text())["dpo"]
     assert metrics["trained"] and metrics["steps"] == 8 and metrics["train_pairs"] == 64
     assert metrics["eval/rewards/accuracies"] >= 0.9 and metrics["eval/rewards/margins"] > 0
     accuracy, loss = curve("eval/rewards/accuracies"), curve("train/loss")
@@ -94,7 +94,7 @@ def assert_a_killed_run_resumes_to(metrics: dict, trained: torch.nn.Module) -> N
     with interrupted_at_call(dpo_library, "pair_losses", 9), pytest.raises(KeyboardInterrupt):
         dpo_stage.main()
     assert [p.name for p in Path("data/checkpoints/dpo").glob("step-*")] == ["step-000003"]
-    assert json.loads(DPO_METRICS.read_text()) == metrics, "the killed run left the previous outputs"
+    assert json.loads(DPO_METRICS.read_text())["dpo"] == metrics, "the killed run left the previous outputs"
     dpo_stage.main()
     assert {name: curve(name) for name in whole} == whole
     resumed = AutoModelForCausalLM.from_pretrained(DPO_DIR)
@@ -121,7 +121,7 @@ def test_with_lora_the_stage_trains_adapters_against_the_initial_policy_and_save
     with monkeypatch.context() as patch:
         patch.setattr(dpo_library, "pair_losses", look_at_step_1)
         dpo_stage.main()
-    metrics = json.loads(DPO_METRICS.read_text())
+    metrics = json.loads(DPO_METRICS.read_text())["dpo"]
     assert metrics["eval/rewards/accuracies"] >= 0.9 and metrics["eval/rewards/margins"] > 0
     trained = AutoModelForCausalLM.from_pretrained(DPO_DIR)
     initial = AutoModelForCausalLM.from_pretrained(adaptable_gpt2_dir)
@@ -185,7 +185,7 @@ def test_another_method_writes_only_the_marker(dpo_dir: Path) -> None:
     set_params(dpo_dir, **{"method": "ppo"})
     dpo_stage.main()
     assert [p.name for p in DPO_DIR.iterdir()] == [DISABLED_MARKER]
-    assert json.loads(DPO_METRICS.read_text()) == {"trained": False}
+    assert json.loads(DPO_METRICS.read_text()) == {"dpo": {"trained": False}}
 
 
 @pytest.mark.slow
@@ -200,7 +200,7 @@ def test_method_dpo_on_sampled_pairs_through_dvc(project: Path, imdb_dir: Path, 
     assert ran_stages(dvc(project, "repro")) == {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs",
                                                  "dpo", "evaluate", "optimum"}
     assert [p.name for p in (project / POLICY_DIR).iterdir()] == [DISABLED_MARKER], "ppo did not train"
-    assert json.loads((project / DPO_METRICS).read_text())["trained"]
+    assert json.loads((project / DPO_METRICS).read_text())["dpo"]["trained"]
     assert json.loads((project / "metrics/eval.json").read_text())["kl.full_mean"] > 0, "evaluate read models/dpo"
 
     # every pair of one prompt's 4 completions with distinct scores, ranked as the reward scorer ranks them

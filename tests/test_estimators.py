@@ -1,5 +1,5 @@
-"""The critic-free estimators (RLOO, GRPO, REINFORCE++) and GRPO's KL loss against slow references written straight
-from their papers' formulas, on ragged batches of k samples per prompt."""
+"""The critic-free estimators (RLOO, GRPO, Dr. GRPO, conditional DPG, REINFORCE++) and GRPO's KL loss against slow
+references written straight from their papers' formulas, on ragged batches of k samples per prompt."""
 
 from __future__ import annotations
 
@@ -162,6 +162,80 @@ def test_dr_grpo_matches_the_paper_and_is_grpo_times_the_group_std(batch) -> Non
     torch.testing.assert_close(scaled, 7 * got)
 
 
+# --- conditional DPG -------------------------------------------------------------------------------------------------
+
+
+def dpg_reference(scores: list[float], logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, k: int,
+                  beta: float) -> list[float]:
+    """Korbak et al. 2022 (CDPG): the target P(y|x) = pi_ref(y|x) exp(r(x, y) / beta), the proposal the policy pi
+    itself; weights P(y_i|x) / pi(y_i|x) normalised over the prompt's k samples (Z(x) by importance sampling), minus
+    their mean 1/k as the baseline, times k: A_i = k w_i - 1. Written from sequence log-probabilities and exp."""
+    advantages = []
+    for prompt in range(len(scores) // k):
+        log_weights = []
+        for i in range(prompt * k, (prompt + 1) * k):
+            real = real_positions(mask, i)
+            log_pi = sum(logprobs[i, t].item() for t in real)
+            log_ref = sum(ref_logprobs[i, t].item() for t in real)
+            log_weights.append(log_ref + scores[i] / beta - log_pi)  # log P(y_i|x) - log pi(y_i|x)
+        top = max(log_weights)
+        weights = [math.exp(x - top) for x in log_weights]
+        advantages += [k * w / sum(weights) - 1 for w in weights]
+    return advantages
+
+
+def test_dpg_advantages_sum_to_zero_lie_in_range_and_vanish_at_the_optimum(batch) -> None:
+    k, mask, g = batch
+    R = torch.randn(len(mask), generator=g, dtype=torch.float64) * 3
+    got = adv.dpg_advantages(R, mask, k, 0.5)
+    per_sample = adv.group_view(got.sum(1) / mask.sum(1), k)
+    torch.testing.assert_close(per_sample.sum(1), torch.zeros(N_PROMPTS, dtype=torch.float64))
+    assert (per_sample >= -1).all() and (per_sample <= k - 1).all()
+    shifted = R + torch.arange(N_PROMPTS, dtype=torch.float64).repeat_interleave(k) * 100  # Z(x) cancels
+    torch.testing.assert_close(adv.dpg_advantages(shifted, mask, k, 0.5), got)
+    # at pi = pi_beta, R = r - beta log(pi / pi_ref) = beta log Z(x) for every sample of a prompt
+    at_optimum = torch.arange(N_PROMPTS, dtype=torch.float64).repeat_interleave(k)
+    assert (adv.dpg_advantages(at_optimum, mask, k, 0.5) == 0).all()
+    # a large coefficient flattens the weights: A_i -> (R_i - mean R) / beta, RLOO's (k - 1) / k
+    big = 1e4
+    torch.testing.assert_close(adv.dpg_advantages(R, mask, k, big) * big,
+                               adv.rloo_advantages(R, mask, k) * (k - 1) / k, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="dpg_advantages: kl_coef = 0.0; .* need kl_coef > 0"):
+        adv.dpg_advantages(R, mask, k, 0.0)
+    with pytest.raises(ValueError, match="dpg_advantages: k = 1 samples per prompt; .* needs k >= 2"):
+        adv.dpg_advantages(R, mask, 1, 0.5)
+
+
+@pytest.mark.parametrize("beta", [0.05, 1.0, 20.0])
+def test_dpg_advantages_match_the_paper_at_any_kl_coef(batch, beta: float) -> None:
+    """The pure function on R = score - beta * sum_t (log pi - log pi_ref), against the weights written from
+    sequence log-probabilities; beta from nearly one-hot weights (0.05) to nearly uniform ones (20)."""
+    k, mask, g = batch
+    logprobs, ref_logprobs = (torch.randn(mask.shape, generator=g, dtype=torch.float64) for _ in range(2))
+    scores = torch.randn(len(mask), generator=g, dtype=torch.float64)
+    R = scores - beta * ((logprobs - ref_logprobs) * mask).sum(1)
+    got = adv.dpg_advantages(R, mask, k, beta)
+    assert got.dtype == torch.float64 and got.shape == mask.shape
+    expected = dpg_reference(scores.tolist(), logprobs, ref_logprobs, mask, k, beta)
+    for i in range(len(mask)):  # rel 1e-9: beta * sum(log ratio) and back lose a few of float64's digits
+        real = real_positions(mask, i)
+        assert got[i, real].tolist() == pytest.approx([expected[i]] * len(real), rel=1e-9, abs=1e-9)
+        assert (got[i, [t for t in range(T) if t not in real]] == 0).all()
+
+
+def test_dpg_equal_rewards_give_uniform_weights_and_a_dominant_sample_takes_all() -> None:
+    mask = torch.ones(8, 3)
+    R = torch.tensor([0.7, 0.7, 0.7, 0.7,  # equal: w = 1/k each, no sample pushed up or down
+                      0.0, 1e4, -3.0, 2.0])  # one R far above: w -> (0, 1, 0, 0), A -> (-1, k - 1, -1, -1)
+    got = adv.dpg_advantages(R, mask, 4, 0.1)
+    assert torch.isfinite(got).all()  # exp(1e5) overflows: the softmax must not
+    assert (got[:4] == 0).all()
+    assert got[4:, 0].tolist() == [-1.0, 3.0, -1.0, -1.0]
+    # a sample twice as likely under pi_beta / pi as each of the others: w = (2/5, 1/5, 1/5, 1/5), A = k w - 1
+    R = torch.tensor([math.log(2.0), 0.0, 0.0, 0.0], dtype=torch.float64)
+    assert adv.dpg_advantages(R, torch.ones(4, 1), 4, 1.0)[:, 0].tolist() == pytest.approx([0.6, -0.2, -0.2, -0.2])
+
+
 # --- REINFORCE++ -----------------------------------------------------------------------------------------------------
 
 
@@ -307,16 +381,20 @@ def test_each_record_follows_its_paper_from_compute_rewards_output(batch) -> Non
     rewards, _ = ppo.compute_rewards(scores, ppo.kl_penalty(logprobs, ref_logprobs) * mask, mask, kl_coef=0.1)
     R = [sum(rewards[i, t].item() for t in real_positions(mask, i)) for i in range(len(mask))]
 
-    advantages, returns = ESTIMATORS["rloo"].advantages(rewards, mask, None, settings(k, 1.0))
+    advantages, returns = ESTIMATORS["rloo"].advantages(rewards, mask, None, settings(k, 1.0), 0.1)
     assert returns is None
     assert_per_sample_on_real_tokens(advantages, mask, rloo_reference(R, k))
-    advantages, returns = ESTIMATORS["grpo"].advantages(rewards, mask, None, settings(k, 1.0))
+    advantages, returns = ESTIMATORS["grpo"].advantages(rewards, mask, None, settings(k, 1.0), 0.1)
     assert returns is None
     assert_per_sample_on_real_tokens(advantages, mask, grpo_reference(R, k, 1e-4))
-    advantages, returns = ESTIMATORS["dr_grpo"].advantages(rewards, mask, None, settings(k, 1.0))
+    advantages, returns = ESTIMATORS["dr_grpo"].advantages(rewards, mask, None, settings(k, 1.0), 0.1)
     assert returns is None
     assert_per_sample_on_real_tokens(advantages, mask, dr_grpo_reference(R, k))
-    advantages, returns = ESTIMATORS["reinforce_pp"].advantages(rewards, mask, None, settings(k, 0.9))
+    advantages, returns = ESTIMATORS["dpg"].advantages(rewards, mask, None, settings(k, 1.0), 0.1)
+    assert returns is None
+    assert_per_sample_on_real_tokens(advantages, mask, dpg_reference(scores.tolist(), logprobs, ref_logprobs, mask, k,
+                                                                     0.1))
+    advantages, returns = ESTIMATORS["reinforce_pp"].advantages(rewards, mask, None, settings(k, 0.9), 0.1)
     expected_returns, expected_advantages = reinforce_pp_reference(rewards, mask, 0.9)
     for i in range(len(mask)):
         real = real_positions(mask, i)
@@ -328,7 +406,7 @@ def test_the_gae_record_is_gae_advantages() -> None:
     g = torch.Generator().manual_seed(2)
     mask = ragged_mask(2, "mixed", torch.float32, 4)
     values, rewards = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
-    got = ESTIMATORS["gae"].advantages(rewards, mask, values, settings(2, 0.9, 0.8, whiten_rewards=True))
+    got = ESTIMATORS["gae"].advantages(rewards, mask, values, settings(2, 0.9, 0.8, whiten_rewards=True), 0.1)
     expected = adv.gae_advantages(values, rewards, mask, 0.9, 0.8, whiten_rewards=True)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
@@ -367,6 +445,6 @@ def test_every_estimator_record_dispatches_to_its_function(name: str) -> None:
     g = torch.Generator().manual_seed(4)
     mask = ragged_mask(4, "right", torch.float32, 5)
     rewards = torch.randn(mask.shape, generator=g)
-    runs = [ESTIMATORS[name].advantages(rewards, mask, torch.randn(mask.shape, generator=g), settings(2))[0]
+    runs = [ESTIMATORS[name].advantages(rewards, mask, torch.randn(mask.shape, generator=g), settings(2), 0.1)[0]
             for _ in range(2)]
     assert torch.equal(runs[0], runs[1]) != ESTIMATORS[name].trains_critic

@@ -121,14 +121,14 @@ def test_eval_metrics_keys_are_flat_and_stable() -> None:
 
     expected = set()
     for run in runs:
-        expected |= {f"{run}.reward_mean", f"{run}.reward_median", f"{run}.positive_rate",
+        expected |= {f"reward.{run}_mean", f"reward.{run}_median", f"reward.{run}_positive_rate",
                      f"judge.vader.{run}_mean", f"judge.vader.{run}_median", f"judge.vader.{run}_positive_rate"}
     expected |= {"kl.mean", "kl.median", "kl.p90", "kl.full_mean", "kl.full_median", "kl.full_p90",
                  "fluency.ref_perplexity", "fluency.reference_ref_perplexity", "diversity.distinct1",
                  "diversity.distinct2", "diversity.reference_distinct1", "diversity.reference_distinct2"}
     assert set(metrics) == expected
     assert all(isinstance(v, float) for v in metrics.values())
-    assert metrics["policy.positive_rate"] == np.mean(scores["policy"][REWARD] > 0)
+    assert metrics["reward.policy_positive_rate"] == np.mean(scores["policy"][REWARD] > 0)
     assert metrics["judge.vader.reference_positive_rate"] == np.mean(scores["reference"]["vader"] > 0.05)
     assert metrics["kl.p90"] == pytest.approx(8.1) and metrics["kl.full_mean"] == pytest.approx(2.25)
     assert metrics["diversity.distinct2"] == pytest.approx(2 / 3) and metrics["diversity.reference_distinct2"] == 1.0
@@ -150,7 +150,8 @@ def test_markdown_report_tables() -> None:
     report = markdown_report(samples, metrics, [REWARD, "vader"], examples=3, context="ctx", after="PPO policy")
 
     summary = next(line for line in report.splitlines() if line.startswith("| reward |"))
-    assert f"{metrics['policy.reward_mean']:.3f}" in summary and f"{metrics['reference.positive_rate']:.3f}" in summary
+    assert f"{metrics['reward.policy_mean']:.3f}" in summary
+    assert f"{metrics['reward.reference_positive_rate']:.3f}" in summary
     assert "| vader |" in report and "ctx" in report
     example_rows = [line for line in report.splitlines() if line.startswith("| q") and "query" not in line]
     assert len(example_rows) == 3

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,16 @@ from helpers import ran_stages
 
 # the switched-off ones run too, writing a marker
 ALL_STAGES = {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate", "optimum"}
+
+
+def compare(project: Path, *args: str) -> str:
+    """``python -m tools.compare`` in ``project``, with this environment's dvc."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(project), "DVC_NO_ANALYTICS": "1"}
+    result = subprocess.run([sys.executable, "-m", "tools.compare", *args], cwd=project, env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 def git_commit(project: Path, message: str) -> None:
@@ -28,6 +39,7 @@ def git_commit(project: Path, message: str) -> None:
 @pytest.mark.slow
 def test_repro_then_experiments_rerun_only_what_changed(project: Path, imdb_dir: Path, tiny_gpt2_dir: Path,
                                                         tiny_classifier_dir: Path) -> None:
+    judge = tiny_classifier_dir.name
     set_params(project, **{
         "data.source": str(imdb_dir), "model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
         "prepare.train_prompts": 16, "prepare.eval_prompts": 8, "prepare.train_pairs": 8, "prepare.test_pairs": 4,
@@ -38,7 +50,7 @@ def test_repro_then_experiments_rerun_only_what_changed(project: Path, imdb_dir:
 
     assert ran_stages(dvc(project, "repro")) == ALL_STAGES
     baseline = json.loads((project / "metrics" / "eval.json").read_text())
-    assert {"policy.reward_mean", "reference.positive_rate", "kl.full_mean", "judge.vader.policy_positive_rate",
+    assert {"reward.policy_mean", "reward.reference_positive_rate", "kl.full_mean", "judge.vader.policy_positive_rate",
             "fluency.ref_perplexity", "diversity.distinct2"} <= set(baseline)
     git_commit(project, "baseline")
 
@@ -48,17 +60,42 @@ def test_repro_then_experiments_rerun_only_what_changed(project: Path, imdb_dir:
     assert "kl.full_mean" in diff and "kl.mean" in diff
     assert diff["kl.full_mean"]["old"] == baseline["kl.full_mean"]
     # the reference samples the same prompts with the same seed and lengths in every experiment
-    assert not [key for key in diff if key.startswith("reference.") or ".reference_" in key]
+    assert not [key for key in diff if ".reference_" in key]
 
     # on top of that workspace, an evaluate param reruns evaluate alone, and only its keys move
     assert ran_stages(dvc(project, "exp", "run", "-n", "greedy", "-S", "evaluate.greedy=true")) == {"evaluate"}
     greedy = json.loads(dvc(project, "metrics", "diff", "kl-low", "greedy", "--json").stdout)["metrics/eval.json"]
-    assert "policy_greedy.reward_mean" in greedy and greedy["policy_greedy.reward_mean"]["old"] is None
+    assert "reward.policy_greedy_mean" in greedy and greedy["reward.policy_greedy_mean"]["old"] is None
     assert all("greedy" in key for key in greedy), greedy
 
     show = {row["Experiment"]: row for row in csv.DictReader(io.StringIO(dvc(project, "exp", "show", "--csv").stdout))}
     assert float(show["kl-low"]["kl.full_mean"]) == pytest.approx(diff["kl.full_mean"]["new"])
-    assert show["kl-low"]["ppo.init_kl_coef"] == "0.05" and show["greedy"]["policy_greedy.reward_mean"]
+    assert show["kl-low"]["ppo.init_kl_coef"] == "0.05" and show["greedy"]["reward.policy_greedy_mean"]
+
+    # the README's review: one table, at most 120 columns, a row per run with the columns a review needs
+    table = compare(project)
+    lines = table.splitlines()
+    assert max(map(len, lines)) <= 120, table
+    assert lines[0].split() == ["experiment", "method", "reward", judge, "vader", "KL", "ppl", "dist-2", "train",
+                                "changed"]
+    rows: dict[str, list[str]] = {}
+    for line in lines[1:lines.index("")]:
+        if line.startswith("    "):  # the changed params, wrapped
+            rows[list(rows)[-1]] += line.split()
+        else:
+            rows[line.split()[0]] = line.split()
+    assert list(rows) == ["workspace", "master", "greedy", "kl-low"], table
+    kl_low = json.loads(dvc(project, "exp", "show", "--json").stdout)[1]["experiments"]
+    kl_low = next(e for e in kl_low if e["name"] == "kl-low")["revs"][0]["data"]["metrics"]
+    shown = kl_low["metrics/eval.json"]["data"]
+    assert rows["kl-low"][1:3] == ["ppo", "kl0.05"] and rows["master"][2] == "kl0.2"
+    assert rows["kl-low"][4] == (f"{shown['reward.reference_positive_rate']:.2f}→"
+                                 f"{shown['reward.policy_positive_rate']:.2f}")
+    assert rows["kl-low"][7] == f"{shown['kl.mean']:.2f}"
+    assert rows["kl-low"][9] == f"{shown['diversity.distinct2']:.3f}"
+    assert rows["kl-low"][10] == f"{kl_low['metrics/ppo.json']['data']['ppo']['seconds']:.0f}"
+    assert rows["kl-low"][11:] == ["ppo.init_kl_coef=0.05"] and rows["master"][11:] == []
+    assert rows["greedy"][11:] == rows["workspace"][11:] == ["ppo.init_kl_coef=0.05", "evaluate.greedy=true"]
 
     plots = json.loads(dvc(project, "plots", "diff", "HEAD", "kl-low", "--json", "--split").stdout)
     assert not plots.get("errors"), plots["errors"]

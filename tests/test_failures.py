@@ -37,6 +37,7 @@ from rlhf.pipeline.errors import ModelError, PipelineError, TrainingError
 from rlhf.pipeline.io import StagedOutputs, atomic_path, write_text
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.wiring import stages, wiring
+from rlhf.train.ppo_trainer import PPOTrainer
 from stages import ppo as ppo_stage
 from stages import reward as reward_stage
 
@@ -139,6 +140,20 @@ def test_a_half_precision_checkpoint_loads_in_fp32(tiny_gpt2_dir: Path, tiny_cla
         half = tmp_path / source.name
         load(str(source), defaults().model).half().save_pretrained(half)
         assert {p.dtype for p in load(str(half), defaults().model).parameters()} == {torch.float32}
+
+
+def test_a_reward_models_new_head_loads_without_transformers_report_and_a_lacking_backbone_is_still_refused(
+        tiny_gpt2_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The score head a reward model gets on a causal LM is new by design: transformers' load report listing it as
+    missing was noise in every reward stage. The backbone's own missing tensors are still an error."""
+    model = load_sequence_classifier(str(tiny_gpt2_dir), defaults().model, "reward.base", new_head=True, num_labels=1)
+    assert model.score.out_features == 1 and "LOAD REPORT" not in caplog.text
+    lacking = shutil.copytree(tiny_gpt2_dir, tmp_path / "lacking")
+    tensors = load_file(lacking / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "h.1.mlp.c_fc" not in k}, lacking / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r": its weights lack 2 of the model's tensors"):
+        load_sequence_classifier(str(lacking), defaults().model, "reward.base", new_head=True, num_labels=1)
 
 
 def test_a_many_output_reward_base_fails_naming_it_before_anything_changes(
@@ -454,14 +469,14 @@ def test_params_changed_while_a_stage_runs_keep_its_outputs_from_being_replaced(
     project = stage_project("ppo")
     previous = plant_outputs(project, "ppo")
     monkeypatch.chdir(project)
-    real = ppo_stage.PPOTrainer.step
+    real = PPOTrainer.step
 
     def step_then_edit(self: object, *args: object, **kwargs: object) -> object:
         if args[-1] == 2:  # the step after the first checkpoint: another process writes params.yaml
             set_params(project, **{"ppo.learning_rate": 2e-5})
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ppo_stage.PPOTrainer, "step", step_then_edit)
+    monkeypatch.setattr(PPOTrainer, "step", step_then_edit)
     with pytest.raises(PipelineError, match=r"^params.yaml changed while ppo ran \(ppo.learning_rate: 1\.41e-05 -> "
                                             r"2e-05\): its outputs were not replaced"):
         ppo_stage.main()

@@ -30,6 +30,7 @@ from rlhf.eval.frontier import (
     same,
     write_frontier,
 )
+from rlhf.pipeline.paths import OPTIMUM_CURVE
 from tools.frontier import DEFAULT_KL_COEFS, arguments
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,14 +72,14 @@ def test_params_compare_as_values() -> None:
 
 
 def experiment(kl: float, rm: float, vader: float, **params: object) -> dict:
-    evaluation = {"kl.mean": kl, "kl.full_mean": kl * 0.9, "policy.reward_mean": rm - 0.5,
-                  "policy.positive_rate": rm, "judge.vader.policy_positive_rate": vader,
+    evaluation = {"kl.mean": kl, "kl.full_mean": kl * 0.9, "reward.policy_mean": rm - 0.5,
+                  "reward.policy_positive_rate": rm, "judge.vader.policy_positive_rate": vader,
                   "fluency.ref_perplexity": 350 + 10 * kl, "diversity.distinct2": 0.87 - 0.01 * kl,
-                  "reference.reward_mean": -0.1, "reference.positive_rate": 0.41,
+                  "reward.reference_mean": -0.1, "reward.reference_positive_rate": 0.41,
                   "judge.vader.reference_positive_rate": 0.35, "fluency.reference_ref_perplexity": 350.0,
                   "diversity.reference_distinct2": 0.874}
     return {"params": {"ppo.steps": 80, **params},
-            "metrics": {"metrics/eval.json": evaluation, "metrics/ppo.json": {"seconds": 300.0}}}
+            "metrics": {"metrics/eval.json": evaluation, "metrics/ppo.json": {"ppo.seconds": 300.0}}}
 
 
 def test_rows_start_at_the_reference_and_keep_only_the_presets_sweeps(tmp_path: Path,
@@ -95,7 +96,7 @@ def test_rows_start_at_the_reference_and_keep_only_the_presets_sweeps(tmp_path: 
     assert [(r["series"], r["point"]) for r in rows] == [
         ("ppo", "reference"), ("ppo", "kl0.4"), ("ppo", "kl0.05"),
         ("rloo", "reference"), ("rloo", "target4")]
-    assert rows[0] | {"experiment": "", "kl.mean": 0.0, "policy.positive_rate": 0.41} == rows[0]
+    assert rows[0] | {"experiment": "", "kl.mean": 0.0, "reward.policy_positive_rate": 0.41} == rows[0]
     assert rows[0].get("ppo.seconds") is None and rows[0].get("ppo.init_kl_coef") is None
     assert rows[0]["judge.vader.policy_positive_rate"] == 0.35 and rows[0]["fluency.ref_perplexity"] == 350.0
     assert rows[2]["experiment"] == "cpu-kl0.05" and rows[2]["ppo.init_kl_coef"] == 0.05
@@ -126,7 +127,7 @@ def test_seeds_give_a_row_each_and_the_means_table_their_mean_and_standard_error
                                       ("cpu-dpo-beta0.1-s1", 1, 3.0, 0.7, 0.4),
                                       ("cpu-dpo-beta0.1-s2", 2, 4.0, 0.8, 0.45)):
         experiments[name] = experiment(kl, rm, vader, seed=seed, **dpo)
-        experiments[name]["metrics"]["metrics/dpo.json"] = {"seconds": 100.0 + seed}
+        experiments[name]["metrics"]["metrics/dpo.json"] = {"dpo.seconds": 100.0 + seed}
     rows = frontier_rows(experiments, "cpu", {"ppo.steps": 80})
     assert [(r["point"], r["seed"]) for r in rows] == [("reference", 0), ("reference", 1), ("reference", 2),
                                                        ("beta0.1", 0), ("beta0.1", 0), ("beta0.1", 1), ("beta0.1", 2)]
@@ -134,11 +135,11 @@ def test_seeds_give_a_row_each_and_the_means_table_their_mean_and_standard_error
     assert rows[5].get("ppo.init_kl_coef") is None
 
     reference, point = mean_rows(rows)
-    assert reference["seeds"] == 3 and reference["policy.positive_rate"] == pytest.approx(0.41)
-    assert reference["policy.positive_rate.stderr"] == pytest.approx(0.0)
+    assert reference["seeds"] == 3 and reference["reward.policy_positive_rate"] == pytest.approx(0.41)
+    assert reference["reward.policy_positive_rate.stderr"] == pytest.approx(0.0)
     # seed 0 counts once; by hand: mean, and sd / sqrt(n) with the sample sd (n - 1 in its denominator)
     assert point["seeds"] == 3 and point["experiments"] == "cpu-dpo-beta0.1 cpu-dpo-beta0.1-s1 cpu-dpo-beta0.1-s2"
-    for key, values in (("policy.positive_rate", [0.6, 0.7, 0.8]), ("judge.vader.policy_positive_rate",
+    for key, values in (("reward.policy_positive_rate", [0.6, 0.7, 0.8]), ("judge.vader.policy_positive_rate",
                                                                     [0.5, 0.4, 0.45]),
                         ("kl.mean", [2.0, 3.0, 4.0]), ("dpo.seconds", [100.0, 101.0, 102.0])):
         mean = sum(values) / 3
@@ -148,14 +149,14 @@ def test_seeds_give_a_row_each_and_the_means_table_their_mean_and_standard_error
 
     chart = chart_points([reference, point])
     record = next(r for r in chart if r["point"] == "beta0.1" and r["scorer"] == "reward model")
-    se = point["policy.positive_rate.stderr"]
+    se = point["reward.policy_positive_rate.stderr"]
     assert (record["positive_rate_low"], record["positive_rate_high"]) == (pytest.approx(0.7 - se),
                                                                           pytest.approx(0.7 + se))
     assert record["kl_high"] == pytest.approx(3 + point["kl.mean.stderr"]) and record["seeds"] == 3
     monkeypatch.chdir(tmp_path)
     write_frontier(rows, "cpu")
     means = pd.read_csv(frontier_files("cpu")[1])
-    assert means["policy.positive_rate.stderr"].tolist() == pytest.approx([0.0, se])
+    assert means["reward.policy_positive_rate.stderr"].tolist() == pytest.approx([0.0, se])
 
 
 def test_best_of_n_rows_take_the_kl_bound_and_say_so() -> None:
@@ -341,23 +342,23 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
     limit = full[full["series"] == "optimum"]
     assert limit["point"].iloc[0] == "reference" and (limit["kl.mean"].diff().dropna() > 0).all()
     assert set(full[full["series"] == "best-of-n pool"]["point"]) == {"reference", "n2", "n4", "n8"}
-    committed = git(project, "show", f"{shown_rev(project, 'tiny-kl0.5')}:{optimum.CURVE.as_posix()}")
+    committed = git(project, "show", f"{shown_rev(project, 'tiny-kl0.5')}:{OPTIMUM_CURVE.as_posix()}")
     curve = pd.read_csv(io.StringIO(committed))
     for _, row in table.iloc[1:].iterrows():
-        gain = row["policy.positive_rate"] - shown[row["experiment"]]["metrics"]["metrics/eval.json"]["data"][
-            "reference.positive_rate"]
+        gain = row["reward.policy_positive_rate"] - shown[row["experiment"]]["metrics"]["metrics/eval.json"]["data"][
+            "reward.reference_positive_rate"]
         fraction, _ = optimum.gain_fraction(curve, row["kl.mean"], "reward.positive_rate", gain)
         assert row["optimum.rm_fraction"] == pytest.approx(fraction) or fraction is None
     for _, row in table.iloc[1:].iterrows():
         evaluation = shown[row["experiment"]]["metrics"]["metrics/eval.json"]["data"]
-        for key in ("kl.mean", "kl.full_mean", "policy.positive_rate", "judge.vader.policy_positive_rate"):
+        for key in ("kl.mean", "kl.full_mean", "reward.policy_positive_rate", "judge.vader.policy_positive_rate"):
             assert row[key] == pytest.approx(evaluation[key]), key
         assert row["ppo.init_kl_coef"] == shown[row["experiment"]]["params"]["params.yaml"]["data"]["ppo"][
             "init_kl_coef"] and not row["ppo.adap_kl_ctrl"]
     reference = shown["tiny-kl0.5"]["metrics"]["metrics/eval.json"]["data"]
     judge = f"judge.{tiny_classifier_dir.name}"
     assert table.loc[0, "kl.mean"] == 0
-    assert table.loc[0, "policy.positive_rate"] == reference["reference.positive_rate"]
+    assert table.loc[0, "reward.policy_positive_rate"] == reference["reward.reference_positive_rate"]
     assert table.loc[0, f"{judge}.policy_positive_rate"] == reference[f"{judge}.reference_positive_rate"]
 
     # a second run with one more point runs only that one; the table gains its row
@@ -413,7 +414,7 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
     means = pd.read_csv(project / frontier_files("tiny")[1]).set_index(["series", "point"])
     point, seeds = means.loc[("dpo", "beta0.5")], dpo[dpo["point"] == "beta0.5"]
     assert point["seeds"] == 2 and point["experiments"] == "tiny-dpo-beta0.5-s0 tiny-dpo-beta0.5-s1"
-    for key in ("kl.mean", "policy.positive_rate", f"judge.{tiny_classifier_dir.name}.policy_positive_rate"):
+    for key in ("kl.mean", "reward.policy_positive_rate", f"judge.{tiny_classifier_dir.name}.policy_positive_rate"):
         assert point[key] == pytest.approx(seeds[key].mean()), key
         assert point[f"{key}.stderr"] == pytest.approx(seeds[key].std() / 2 ** 0.5), key
     assert means.loc[("rloo", "kl0.5"), "seeds"] == 1 and pd.isna(means.loc[("rloo", "kl0.5"), "kl.mean.stderr"])

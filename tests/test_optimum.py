@@ -17,7 +17,7 @@ from conftest import ROOT, set_params
 
 from rlhf.eval import optimum
 from rlhf.pipeline.errors import PipelineError
-from rlhf.pipeline.paths import POLICY_DIR
+from rlhf.pipeline.paths import OPTIMUM_BEST_OF_N, OPTIMUM_CURVE, OPTIMUM_METRICS, OPTIMUM_POOL, POLICY_DIR
 from rlhf.rl import optimum as opt
 from stages.evaluate import EVAL_METRICS, EVAL_SAMPLES
 
@@ -160,13 +160,13 @@ def test_the_pool_is_sampled_as_evaluate_samples(optimum_dir: Path) -> None:
 
     stage.main()
     evaluate.main()
-    pool = pd.read_parquet(optimum.POOL)
+    pool = pd.read_parquet(OPTIMUM_POOL)
     samples = pd.read_parquet(EVAL_SAMPLES)
     assert pool["response"].tolist() == samples["response_before"].tolist()
     assert pool["reward"].tolist() == pytest.approx(samples["reward_before"].tolist(), abs=1e-6)
     assert pool["vader"].tolist() == pytest.approx(samples["judge_vader_before"].tolist(), abs=1e-6)
-    reference = json.loads(EVAL_METRICS.read_text())["reference.positive_rate"]
-    assert pd.read_csv(optimum.CURVE).iloc[0]["reward.positive_rate"] == pytest.approx(reference)
+    reference = json.loads(EVAL_METRICS.read_text())["reward.reference_positive_rate"]
+    assert pd.read_csv(OPTIMUM_CURVE).iloc[0]["reward.positive_rate"] == pytest.approx(reference)
 
 
 def test_the_stage_pools_n_per_prompt_and_writes_only_a_marker_when_off(optimum_dir: Path) -> None:
@@ -174,18 +174,18 @@ def test_the_stage_pools_n_per_prompt_and_writes_only_a_marker_when_off(optimum_
 
     set_params(optimum_dir, **{"optimum.samples_per_prompt": 8, "optimum.prompts": 4})
     stage.main()
-    pool = pd.read_parquet(optimum.POOL)
+    pool = pd.read_parquet(OPTIMUM_POOL)
     assert len(pool) == 32 and pool.groupby("prompt").size().tolist() == [8] * 4
     assert set(pool.columns) == {"prompt", "sample", "response", "length", "reward", "vader"}
-    curve = pd.read_csv(optimum.CURVE)
+    curve = pd.read_csv(OPTIMUM_CURVE)
     assert curve.iloc[0]["kl"] == 0 and (np.diff(curve["kl"]) > 0).all()
-    assert pd.read_csv(optimum.BEST_OF_N)["n"].tolist() == [1, 2, 4, 8]
-    assert json.loads(optimum.METRICS.read_text())["optimum"]["samples"] == 8
+    assert pd.read_csv(OPTIMUM_BEST_OF_N)["n"].tolist() == [1, 2, 4, 8]
+    assert json.loads(OPTIMUM_METRICS.read_text())["optimum"]["samples"] == 8
 
     set_params(optimum_dir, **{"optimum.samples_per_prompt": 0})
     stage.main()
-    assert sorted(p.name for p in optimum.POOL.parent.iterdir()) == ["DISABLED"]
-    assert json.loads(optimum.METRICS.read_text()) == {"optimum": {"sampled": False}}
+    assert sorted(p.name for p in OPTIMUM_POOL.parent.iterdir()) == ["DISABLED"]
+    assert json.loads(OPTIMUM_METRICS.read_text()) == {"optimum": {"sampled": False}}
 
 
 def test_a_pool_larger_than_memory_is_refused_before_a_model_loads(optimum_dir: Path) -> None:

@@ -305,6 +305,11 @@ def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
      "0 with ppo.advantage_estimator reinforce_pp"),
     ({"advantage_estimator": "rloo", "samples_per_prompt": 4, "value_model": "separate"}, "ppo.value_model",
      "'shared' with ppo.advantage_estimator rloo"),
+    ({"advantage_estimator": "dpg", "samples_per_prompt": 4, "init_kl_coef": 0.0}, "ppo.init_kl_coef",
+     "> 0 with ppo.advantage_estimator dpg"),
+    ({"advantage_estimator": "dpg", "samples_per_prompt": 4, "kl_penalty": "k3"}, "ppo.kl_penalty",
+     "kl with ppo.advantage_estimator dpg"),
+    ({"advantage_estimator": "dpg"}, "ppo.samples_per_prompt", ">= 2 with ppo.advantage_estimator dpg"),
     ({"advantage_estimator": "ppo"}, "ppo.advantage_estimator", f"one of {', '.join(ESTIMATORS)}"),
 ])
 def test_estimator_rules_name_the_key(raw: dict, updates: dict, key: str, rule: str) -> None:
@@ -317,6 +322,7 @@ def test_estimator_rules_name_the_key(raw: dict, updates: dict, key: str, rule: 
     ("gae", 4, []),
     ("rloo", 4, ["value_model", "vf_coef", "cliprange_value", "gamma", "lam", "whiten_rewards"]),
     ("grpo", 2, ["value_model", "vf_coef", "cliprange_value", "gamma", "lam", "whiten_rewards"]),
+    ("dpg", 4, ["value_model", "vf_coef", "cliprange_value", "gamma", "lam", "whiten_rewards"]),
     ("reinforce_pp", 1, ["value_model", "vf_coef", "cliprange_value", "lam", "whiten_rewards"]),
 ])
 def test_critic_free_estimators_accept_the_default_value_settings_and_name_what_they_ignore(

@@ -53,7 +53,8 @@ def test_a_missing_path_read_as_a_hub_id_fails_in_one_line_naming_the_key(tmp_pa
     tests run) says it cannot be had, rather than the loaders' retries and their tracebacks."""
     monkeypatch.chdir(tmp_path)
     unreachable = r"no such local path, and not reachable as a Hub id \(HF_HUB_OFFLINE is set"
-    with pytest.raises(DataError, match=rf"^data.source: data/imdb: {unreachable}"):
+    with pytest.raises(DataError, match=rf"^data.source: data/imdb: {unreachable}.*; without the Hub, the offline "
+                                        r"recipe trains its own models: python -m tools.recipe offline-cpu --imdb"):
         load_imdb("data/imdb", None, ["train"])
     with pytest.raises(ModelError, match=rf"^model.policy: models/nope: {unreachable}"):
         load_causal_lm("models/nope", defaults().model, what="model.policy")
@@ -69,3 +70,4 @@ def test_an_unreachable_hub_is_asked_once(tmp_path: Path) -> None:
         "HF_HUB_CACHE": str(tmp_path / "cache")})
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("cannot reach the Hub: "), result.stdout
+    assert "python -m tools.recipe offline-cpu" in result.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -45,7 +46,7 @@ def test_stage_outputs(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> No
     assert len(pairs_test) == 10 and set(pairs_test["chosen_id"]) | set(pairs_test["rejected_id"]) <= test_ids
     assert list(pairs_test.dtypes.astype(str)[4:]) == ["int64", "int64"]
 
-    metrics = json.loads((project / "metrics/prepare.json").read_text())
+    metrics = json.loads((project / "metrics/prepare.json").read_text())["prepare"]
     assert metrics["reviews_read"] == {"train": 200, "test": 120}
     assert metrics["reviews_kept"]["train"] == long_reviews
     assert metrics["prompts"] == {"train": long_reviews, "eval": 20} and metrics["pairs"] == {"train": 30, "test": 10}
@@ -62,6 +63,7 @@ def test_stage_outputs(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> No
 def run_in_process(project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> str:
     """run_stage(main) as ``python -m stages.prepare`` runs it, minus the interpreter start; the error line or ''."""
     monkeypatch.chdir(project)
+    monkeypatch.setattr(sys, "argv", [prepare.__file__])  # pytest's own arguments are not the stage's
     try:
         run_stage(prepare.main)
     except SystemExit as e:

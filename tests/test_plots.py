@@ -15,3 +15,18 @@ def test_histogram_shares_bins_and_counts_every_score() -> None:
     assert hist["before"].sum() == 4 and hist["after"].sum() == 4
     assert hist["bin"].tolist() == pytest.approx([-1.5, -0.5, 0.5, 1.5, 2.5])
     assert hist["before"].tolist() == [1, 1, 2, 0, 0] and hist["after"].tolist() == [0, 0, 1, 1, 2]
+
+
+def test_two_runs_with_the_same_reference_share_its_bins() -> None:
+    """The evaluation's histogram takes its bins from the reference's scores, the same in every run that shares the
+    reference: a policy that moved further only adds bins of the same width, and the reference's counts stay put."""
+    rng = np.random.default_rng(0)
+    reference = rng.normal(0.0, 1.0, 200)
+    near, far = reference + 0.1, reference + 5.0
+    a = histogram({"before": reference, "after": near}, x="bin", bins=10, reference="before")
+    b = histogram({"before": reference, "after": far}, x="bin", bins=10, reference="before")
+    assert a["after"].sum() == b["after"].sum() == 200 and len(b) > len(a) >= 10
+    shared = a.merge(b, on="bin", suffixes=("_a", "_b"))
+    assert len(shared) == len(a)  # every bin of a is a bin of b, at the same centre
+    assert shared["before_a"].tolist() == shared["before_b"].tolist() and shared["before_a"].sum() == 200
+    assert np.diff(b["bin"]).tolist() == pytest.approx([np.diff(a["bin"])[0]] * (len(b) - 1), abs=1e-3)

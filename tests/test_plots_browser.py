@@ -1,13 +1,14 @@
-"""`dvc plots show` draws every chart of dvc.yaml's top-level `plots:` in a real headless browser (Debian's chromium).
-
-The page DVC writes loads vega, vega-lite and vega-embed from a CDN that no test machine reaches, so the test swaps
-those three script tags for local copies of the same versions, installed once with npm (.ci/run does this):
+"""`dvc plots show` draws every chart of dvc.yaml's top-level `plots:` in a real headless browser (Debian's chromium),
+offline, as the README says: with the page template .dvc/plots/offline.html, which loads vega, vega-lite and
+vega-embed from the project's .vega/ folder instead of DVC's CDN (that no test machine reaches). The scripts are the
+versions DVC's own page asks for, installed once with npm (.ci/run does this):
 
     npm install --prefix ~/.cache/imdb-rlhf/vega --no-save --legacy-peer-deps \
         vega@5.20.2 vega-lite@5.2.0 vega-embed@6.18.2
 
-(VEGA_JS_DIR overrides that folder.) Without chromium or those scripts the test skips, naming what is missing; under
-CI (CI=true) it fails instead, so a missing install step cannot pass unnoticed.
+(VEGA_JS_DIR overrides that folder; the test links the project's .vega to it.) Without chromium or those scripts the
+test skips, naming what is missing; under CI (CI=true) it fails instead, so a missing install step cannot pass
+unnoticed.
 """
 
 from __future__ import annotations
@@ -46,31 +47,28 @@ def find_chromium() -> str:
     missing("no chromium binary on PATH (apt-get install chromium)")
 
 
-def local_scripts(html: str) -> str:
-    """DVC's page with each CDN script replaced by the local npm copy of the same package and version."""
+def check_local_scripts(html: str) -> None:
+    """The scripts DVC's own page loads from its CDN are installed in VEGA_JS_DIR, the same versions."""
     scripts = SCRIPT.findall(html)
     assert {name for _, name, _ in scripts} == {"vega", "vega-lite", "vega-embed"}, scripts
-    for url, name, version in scripts:
+    for _, name, version in scripts:
         package = VEGA_JS_DIR / "node_modules" / name
         js = package / "build" / f"{name}.min.js"
         installed = json.loads((package / "package.json").read_text())["version"] if js.exists() else None
         if installed != version:
             missing(f"{js}: need {name}@{version} (found {installed}); "
                     f"npm install --prefix {VEGA_JS_DIR} --no-save --legacy-peer-deps {name}@{version}")
-        # a file:// script has no HTTP charset header: say UTF-8, as the CDN does, or vega's text comes out garbled
-        html = html.replace(f'<script src="{url}">', f'<script charset="utf-8" src="{js.as_uri()}">')
-    return html
 
 
 def fake_frontier(project: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A two-series frontier written by the frontier tool's own writer, the second with two seeds (error bars);
     return the chart's plot id."""
-    reference = {"experiment": "", "point": "reference", "kl.mean": 0.0, "policy.positive_rate": 0.41,
+    reference = {"experiment": "", "point": "reference", "kl.mean": 0.0, "reward.policy_positive_rate": 0.41,
                  "judge.vader.policy_positive_rate": 0.36}
     rows = [{**reference, "series": "ppo"}, {**reference, "series": "rloo"}]
     for series, shift, seed in (("ppo", 0.0, None), ("rloo", 0.05, 0), ("rloo", 0.08, 1)):
         rows += [{"experiment": f"cpu-{series}-kl{c}", "series": series, "point": f"kl{c}", "seed": seed,
-                  "kl.mean": kl + shift, "policy.positive_rate": rm + shift,
+                  "kl.mean": kl + shift, "reward.policy_positive_rate": rm + shift,
                   "judge.vader.policy_positive_rate": vader + shift}
                  for c, kl, rm, vader in ((0.4, 1.6, 0.52, 0.44), (0.2, 4.8, 0.68, 0.55), (0.05, 7.9, 0.8, 0.5))]
     monkeypatch.chdir(project)
@@ -115,9 +113,12 @@ def test_dvc_plots_show_renders_every_chart(project: Path, tmp_path: Path, monke
     plot_ids = fake_plot_data(project, monkeypatch)
     assert {"reward", "kl", "score_histogram", "metrics_frontier_chart_cpu_json"} <= set(plot_ids)
 
-    dvc(project, "plots", "show", "-o", "plots")
-    page = project / "plots" / "local.html"
-    page.write_text(local_scripts((project / "plots" / "index.html").read_text()))
+    dvc(project, "plots", "show", "-o", "online")
+    check_local_scripts((project / "online" / "index.html").read_text())
+    (project / ".vega").symlink_to(VEGA_JS_DIR)
+    dvc(project, "plots", "show", "-o", "plots", "--html-template", ".dvc/plots/offline.html")
+    page = project / "plots" / "index.html"
+    assert not SCRIPT.findall(page.read_text()), "the offline page loads a script from the CDN"
 
     charts = rendered_charts(chromium, page, tmp_path / "chromium-profile")
     for plot_id in plot_ids:

@@ -52,8 +52,8 @@ def test_outputs(ppo_project: Path, estimator: str) -> None:
     assert (curves / "loss/kl.tsv").exists() == (estimator == "grpo")
     ignored = f"ppo: advantage_estimator {estimator} ignores ppo.value_model, ppo.vf_coef, ppo.cliprange_value"
     assert (ignored in result.stderr) != critic
-    summary = json.loads((ppo_project / "metrics/ppo.json").read_text())
-    assert summary["steps"] == 3 and summary["processes"] == 1
+    summary = json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]
+    assert summary["trained"] and summary["processes"] == 1
 
 
 @pytest.mark.slow
@@ -61,7 +61,7 @@ def test_two_processes_on_cpu(ppo_project: Path) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"  # accelerate's CPU launcher starts a single process
     result = run(ppo_project, str(torchrun), "--nproc_per_node", "2", "-m", "stages.ppo")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads((ppo_project / "metrics/ppo.json").read_text())["processes"] == 2
+    assert json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]["processes"] == 2
     assert (ppo_project / "models/policy/model.safetensors").exists()
 
     # one process killed at its third step: the other's collective fails, a traceback from inside gloo, then one line

@@ -13,6 +13,7 @@ from rlhf.data.imdb import filter_reviews, load_imdb
 from rlhf.data.prepare import (
     CHARS_PER_TOKEN,
     TAIL_TOKENS,
+    Tokenized,
     build_pairs,
     build_prompts,
     generator,
@@ -66,7 +67,7 @@ def test_tokenize_gives_the_whole_texts_first_tokens(tokenizer) -> None:
 
 
 def prompts(reviews: pd.DataFrame, ids: list[list[int]], tokenizer, seed: int, n: int | None = None) -> pd.DataFrame:
-    return build_prompts(reviews, ids, tokenizer, n, 2, 8, np.random.default_rng(seed)).to_pandas()
+    return build_prompts(Tokenized(reviews, ids, tokenizer), n, (2, 8), np.random.default_rng(seed)).to_pandas()
 
 
 def test_prompt_lengths(reviews, ids, tokenizer) -> None:
@@ -103,8 +104,8 @@ def test_prompt_cap(reviews, ids, tokenizer) -> None:
 
 
 def pairs(reviews, ids, tokenizer, split: str, n: int, by_rating: bool = False, seed: int = 0) -> pd.DataFrame:
-    return build_pairs(reviews[split], ids[split], tokenizer, n, 4, 12, by_rating, np.random.default_rng(seed),
-                       split).to_pandas()
+    return build_pairs(Tokenized(reviews[split], ids[split], tokenizer), n, (4, 12), by_rating,
+                       np.random.default_rng(seed), split).to_pandas()
 
 
 def assert_openings(table: pd.DataFrame, reviews: pd.DataFrame, ids: list[list[int]], tokenizer) -> None:
@@ -158,11 +159,12 @@ def test_pairs_need_both_sides(reviews, ids, tokenizer) -> None:
     train = reviews["train"]
     with pytest.raises(DataError, match=r"^x: pairs need positive and negative reviews \(\d+ positive, 0 negative "
                                         r"after the filter\)$"):
-        build_pairs(train[train["label"] == 1].reset_index(drop=True), ids["train"], tokenizer, 5, 4, 12, False,
-                    np.random.default_rng(0), "x")
+        build_pairs(Tokenized(train[train["label"] == 1].reset_index(drop=True), ids["train"], tokenizer), 5, (4, 12),
+                    False, np.random.default_rng(0), "x")
     with pytest.raises(DataError, match=r"^x: prepare.pairs_by_rating needs reviews with at least two different "
                                         r"star ratings \(this source has none or one; ratings 0 mean unknown\)$"):
-        build_pairs(train.assign(rating=0), ids["train"], tokenizer, 5, 4, 12, True, np.random.default_rng(0), "x")
+        build_pairs(Tokenized(train.assign(rating=0), ids["train"], tokenizer), 5, (4, 12), True,
+                    np.random.default_rng(0), "x")
 
 
 # --- a user's pairs file -----------------------------------------------------------------------------------------
@@ -255,7 +257,7 @@ def test_real_imdb_gives_24895_train_prompts(shared_dir: Path) -> None:
     train = filter_reviews(load_imdb(str(shared_dir / "imdb"), None, ["train"])["train"], 200, "train")
     assert len(train) == 24_895
     ids = tokenize(train["text"].tolist(), tokenizer, 8)
-    table = build_prompts(train, ids, tokenizer, None, 2, 8, np.random.default_rng(0)).to_pandas()
+    table = build_prompts(Tokenized(train, ids, tokenizer), None, (2, 8), np.random.default_rng(0)).to_pandas()
     assert len(table) == 24_895 and set(table["input_ids"].map(len)) == set(range(2, 9))
     sample = train["text"].tolist()[::25]  # 1,000 reviews: the openings give exactly the whole texts' tokens
     assert tokenize(sample, tokenizer, 32) == [row[:32] for row in whole(sample, tokenizer)]

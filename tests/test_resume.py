@@ -118,7 +118,7 @@ def outputs(project: Path) -> dict[str, object]:
     curves = {path.relative_to(project).as_posix(): path.read_text()
               for path in sorted((project / "metrics/ppo/plots/metrics").rglob("*.tsv"))
               if not path.relative_to(project / "metrics/ppo/plots/metrics").as_posix().startswith(WALL_TIME)}
-    summary = json.loads((project / "metrics/ppo.json").read_text())
+    summary = json.loads((project / "metrics/ppo.json").read_text())["ppo"]
     value_head = policy / "value_head.safetensors"
     return {
         "weights": {k: v.tolist() for k, v in load_file(policy / "model.safetensors").items()},
@@ -231,7 +231,7 @@ def test_a_nan_stop_keeps_the_outputs_and_the_last_checkpoint_and_skip_resumes_f
     ppo_stage.main()
     assert "resuming after step 3" in caplog.text
     assert sorted(pd.read_parquet("data/rollouts")["step"].unique()) == list(range(8))
-    assert json.loads(Path("metrics/ppo.json").read_text())["skipped_batches"] == 0
+    assert json.loads(Path("metrics/ppo.json").read_text())["ppo"]["skipped_batches"] == 0
 
 
 # in-process runs stopped by a NaN score at step 4 and resumed from their step-3 checkpoint (the kill test above
@@ -286,7 +286,7 @@ def stage_outputs(project: Path, stage: str) -> dict[str, object]:
     files = {}
     for name in OUTPUTS[stage]:
         path = project / name
-        files[name] = ({k: v for k, v in json.loads(path.read_text()).items() if not k.startswith(WALL_TIME)
+        files[name] = ({k: v for k, v in json.loads(path.read_text())[stage].items() if not k.startswith(WALL_TIME)
                         and k != "tokens_per_s"} if path.suffix == ".json" else path.read_bytes())
     return files
 

@@ -16,11 +16,10 @@ import pytest
 import torch
 from conftest import ROOT, set_params
 
-from rlhf.eval.optimum import POOL
 from rlhf.models.scorers import ClassifierScorer, make_reward_scorer
 from rlhf.pipeline.errors import RewardFunctionError
 from rlhf.pipeline.params import Params, defaults
-from rlhf.pipeline.paths import EVAL_PROMPTS, SAMPLED_TRAIN_PAIRS, TRAIN_PROMPTS
+from rlhf.pipeline.paths import EVAL_PROMPTS, OPTIMUM_POOL, SAMPLED_TRAIN_PAIRS, TRAIN_PROMPTS
 from rlhf.pipeline.sections import RewardFunctionParams
 from stages import evaluate as evaluate_stage
 from stages import optimum as optimum_stage
@@ -144,12 +143,12 @@ def test_ppo_best_of_n_sampled_pairs_evaluate_and_the_optimum_score_with_the_fun
             length_bonus(samples["query"], samples[f"response_{side}"]))
     assert (samples["reward_after"] >= samples["reward_before"]).all()  # the best of 3, the first of them "before"
     assert "Reward: 1 x `rewards.text:length_bonus`." in Path("metrics/evaluate/report.md").read_text()
-    assert json.loads(Path("metrics/eval.json").read_text())["policy.reward_mean"] == pytest.approx(
+    assert json.loads(Path("metrics/eval.json").read_text())["reward.policy_mean"] == pytest.approx(
         samples["reward_after"].mean())
 
     set_params(ppo_project, **{"optimum.samples_per_prompt": 2})
     optimum_stage.main()
-    pool = pd.read_parquet(POOL)
+    pool = pd.read_parquet(OPTIMUM_POOL)
     queries = pd.read_parquet(EVAL_PROMPTS)["query"]
     assert pool["reward"].tolist() == pytest.approx(length_bonus(queries[pool["prompt"]], pool["response"]))
 

@@ -1,14 +1,17 @@
 """``python -m stages.<stage> --help`` (or -h) prints what the stage reads and writes and the params dvc.yaml lists
-for it, without loading a model or running anything."""
+for it, without loading a model or running anything; a switched-off stage loads no model either."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import set_params
+from helpers import run_cli
 
 from rlhf.pipeline.cli import stage_help
 from rlhf.pipeline.params import expand
@@ -40,6 +43,20 @@ def test_help_from_the_command_line_anywhere_loads_nothing(flag: str, tmp_path: 
     assert result.returncode == 0, result.stderr
     assert "prepare.prompt_max_tokens" in result.stdout and "Writes  models/policy/" in result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["transformers"]
+
+
+def test_a_switched_off_stage_writes_its_marker_without_loading_transformers(project: Path) -> None:
+    """The default params switch off every stage but prepare, ppo and evaluate, and method dpo switches off ppo: each
+    writes its marker with transformers made unimportable (its model code loaded first took seconds a stage)."""
+    (project / "transformers").mkdir()
+    (project / "transformers" / "__init__.py").write_text("raise ImportError('a switched-off stage loads no model')\n")
+    for stage in ("sft", "reward", "sample_pairs", "ref_logprobs", "dpo", "optimum", "ppo"):
+        if stage == "ppo":
+            set_params(project, method="dpo")
+        result = run_cli(project, stage)
+        assert result.returncode == 0, result.stderr
+        assert re.fullmatch(rf"{stage}: done in \d+\.\d s", result.stderr.strip().splitlines()[-1]), result.stderr
+        assert [out for out in wiring(stage, project / "dvc.yaml").outputs if not (project / out).exists()] == []
 
 
 def test_the_recipe_runner_keeps_its_own_help() -> None:

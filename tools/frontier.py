@@ -25,15 +25,16 @@ from typing import Any
 
 import pandas as pd
 
-from rlhf.eval import optimum
 from rlhf.eval.frontier import DEFAULT_SERIES, KINDS, Point, frontier_files, frontier_rows, grid, same, write_frontier
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ParamsError, PipelineError
 from rlhf.pipeline.params import parse_params
+from rlhf.pipeline.paths import OPTIMUM_BEST_OF_N, OPTIMUM_CURVE, OPTIMUM_METRICS
 from tools.presets import (
     add_input_flags,
     as_override,
     copy_inputs,
+    dvc,
     flatten,
     load_preset,
     local_inputs,
@@ -49,15 +50,6 @@ NO_PRESET = "params"  # the name of a sweep over params.yaml as committed
 DEFAULT_KL_COEFS = [0.1, 0.15, 0.2, 0.3, 0.4]
 POLL_SECONDS = 5  # between two looks at the queue: a point takes minutes
 IDLE_POLLS = 6  # looks that find our points queued and no worker at all before the queue counts as stalled
-
-
-def dvc(*args: str) -> str:
-    """Run a read-only dvc command and return its stdout; its last error line when it fails."""
-    result = run_dvc(["dvc", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
-        raise PipelineError(f"dvc {' '.join(args)} failed: {lines[-1]}")
-    return result.stdout
 
 
 def head_experiments() -> tuple[dict[str, Any], dict[str, Any], dict[str, dict]]:
@@ -82,7 +74,7 @@ def head_experiments() -> tuple[dict[str, Any], dict[str, Any], dict[str, dict]]
             continue
         metrics = {file: flatten(found.get("data") or {}) for file, found in (data.get("metrics") or {}).items()}
         experiments[exp["name"]] = {"params": flatten(params(data)), "metrics": metrics}
-        if metrics.get(optimum.METRICS.as_posix(), {}).get("optimum.samples"):
+        if metrics.get(OPTIMUM_METRICS.as_posix(), {}).get("optimum.samples"):
             experiments[exp["name"]]["optimum"] = pool_tables(exp["revs"][0]["rev"])
     return params(baseline["data"]), params(workspace["data"]), experiments
 
@@ -91,7 +83,7 @@ def pool_tables(rev: str) -> dict[str, pd.DataFrame] | None:
     """The optimum stage's curve and best-of-n tables as the experiment ``rev`` committed them (they are small files
     Git keeps, not DVC metrics: a column per beta would flood ``dvc exp show``)."""
     tables = {}
-    for key, path in (("curve", optimum.CURVE), ("best_of_n", optimum.BEST_OF_N)):
+    for key, path in (("curve", OPTIMUM_CURVE), ("best_of_n", OPTIMUM_BEST_OF_N)):
         result = subprocess.run(["git", "show", f"{rev}:{path.as_posix()}"], capture_output=True, text=True)
         if result.returncode != 0 or not result.stdout.strip():
             return None

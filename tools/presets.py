@@ -10,6 +10,7 @@ import filecmp
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -161,12 +162,18 @@ def validate(base: dict[str, Any], changes: dict[str, Any], copies: dict[str, Pa
 
 
 def run_dvc(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
-    """``subprocess.run`` of a dvc command; dvc missing from PATH is one line, not a traceback."""
-    try:
-        return subprocess.run(command, **kwargs)
-    except FileNotFoundError:
-        raise PipelineError(f"{command[0]}: not found on PATH (install the project's requirements, or activate "
-                            "their environment)") from None
+    """``subprocess.run`` of a dvc command (``["dvc", ...]``), through this environment's DVC less one warning that
+    is noise here (tools/quiet_dvc.py)."""
+    return subprocess.run([sys.executable, "-m", "tools.quiet_dvc", *command[1:]], **kwargs)
+
+
+def dvc(*args: str) -> str:
+    """Run a read-only dvc command and return its stdout; its last error line when it fails."""
+    result = run_dvc(["dvc", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
+        raise PipelineError(f"dvc {' '.join(args)} failed: {lines[-1]}")
+    return result.stdout
 
 
 def add_input_flags(parser: argparse.ArgumentParser) -> None:

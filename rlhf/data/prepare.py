@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -72,22 +73,29 @@ def tokenize(texts: Sequence[str], tokenizer: PreTrainedTokenizerBase, max_token
     return [row[:max_tokens] for row in ids]
 
 
-def cut(ids: list[list[int]], rows: np.ndarray, min_tokens: int, max_tokens: int,
-        rng: np.random.Generator) -> list[list[int]]:
-    """The first N tokens of each selected row, N uniform in [min_tokens, max_tokens] (the classic LengthSampler)."""
-    lengths = rng.integers(min_tokens, max_tokens + 1, size=len(rows))
-    return [ids[row][:n] for row, n in zip(rows, lengths, strict=True)]
+@dataclass(frozen=True)
+class Tokenized:
+    """A split's reviews, the token ids of their openings (``tokenize``) and the tokenizer that made them."""
+
+    reviews: pd.DataFrame
+    ids: list[list[int]]
+    tokenizer: PreTrainedTokenizerBase
+
+    def cut(self, rows: np.ndarray, tokens: tuple[int, int], rng: np.random.Generator) -> list[list[int]]:
+        """The first N tokens of each selected row, N uniform in ``tokens`` (min, max; the classic LengthSampler)."""
+        lengths = rng.integers(tokens[0], tokens[1] + 1, size=len(rows))
+        return [self.ids[row][:n] for row, n in zip(rows, lengths, strict=True)]
 
 
-def build_prompts(reviews: pd.DataFrame, ids: list[list[int]], tokenizer: PreTrainedTokenizerBase, n: int | None,
-                  min_tokens: int, max_tokens: int, rng: np.random.Generator) -> pa.Table:
+def build_prompts(split: Tokenized, n: int | None, tokens: tuple[int, int], rng: np.random.Generator) -> pa.Table:
     """``n`` prompts (all when None; at most as many as reviews) from the reviews, in file order: query text, its
     token ids, the review."""
+    reviews = split.reviews
     rows = np.arange(len(reviews)) if n is None or n >= len(reviews) else np.sort(
         rng.choice(len(reviews), size=n, replace=False))
-    prefixes = cut(ids, rows, min_tokens, max_tokens, rng)
+    prefixes = split.cut(rows, tokens, rng)
     return pa.table({
-        "query": tokenizer.batch_decode(prefixes),
+        "query": split.tokenizer.batch_decode(prefixes),
         "input_ids": prefixes,
         "review_id": reviews["review_id"].to_numpy()[rows],
         "label": reviews["label"].to_numpy()[rows],
@@ -114,13 +122,15 @@ def _rating_pairs(rating: np.ndarray, n: int, rng: np.random.Generator) -> tuple
     return np.concatenate(higher)[:n], np.concatenate(lower)[:n]
 
 
-def build_pairs(reviews: pd.DataFrame, ids: list[list[int]], tokenizer: PreTrainedTokenizerBase, n: int,
-                min_tokens: int, max_tokens: int, by_rating: bool, rng: np.random.Generator, where: str) -> pa.Table:
-    """``n`` (chosen, rejected) review openings, each side cut to its own length in [min_tokens, max_tokens].
+def build_pairs(split: Tokenized, n: int, tokens: tuple[int, int], by_rating: bool, rng: np.random.Generator,
+                where: str) -> pa.Table:
+    """``n`` (chosen, rejected) review openings, each side cut to its own length in ``tokens`` (min, max).
 
     Chosen is a positive review and rejected a negative one, or with ``by_rating`` the higher and the lower of two
-    different star ratings. Reviews repeat only when a side has fewer reviews than ``n``.
+    different star ratings. Reviews repeat only when a side has fewer reviews than ``n``. ``where`` names the source
+    in errors.
     """
+    reviews = split.reviews
     if by_rating:
         rating = reviews["rating"].to_numpy()
         if len(np.unique(rating[rating > 0])) < 2:
@@ -136,7 +146,7 @@ def build_pairs(reviews: pd.DataFrame, ids: list[list[int]], tokenizer: PreTrain
         chosen, rejected = _draw(pos, n, rng), _draw(neg, n, rng)
     columns = {}
     for side, rows in (("chosen", chosen), ("rejected", rejected)):
-        columns[side] = tokenizer.batch_decode(cut(ids, rows, min_tokens, max_tokens, rng))
+        columns[side] = split.tokenizer.batch_decode(split.cut(rows, tokens, rng))
         columns[f"{side}_id"] = reviews["review_id"].to_numpy()[rows]
         columns[f"{side}_rating"] = reviews["rating"].to_numpy()[rows]
     return pa.table(columns, schema=PAIR_SCHEMA)

@@ -47,11 +47,9 @@ def spread_stats(values: np.ndarray) -> dict[str, float]:
 
 
 def score_key(scorer: str, run: str, stat: str) -> str:
-    """Flat metrics key: the training reward as ``<run>.reward_mean`` / ``<run>.positive_rate``, a judge as
-    ``judge.<name>.<run>_mean`` / ``judge.<name>.<run>_positive_rate``."""
-    if scorer == REWARD:
-        return f"{run}.{stat}" if stat == "positive_rate" else f"{run}.reward_{stat}"
-    return f"judge.{scorer}.{run}_{stat}"
+    """Flat metrics key, named after its scorer: the training reward's ``reward.<run>_<stat>``
+    (``reward.policy_positive_rate``), a judge's ``judge.<name>.<run>_<stat>`` (``judge.vader.reference_mean``)."""
+    return f"{REWARD if scorer == REWARD else 'judge.' + scorer}.{run}_{stat}"
 
 
 def score_column(scorer: str, run: str) -> str:

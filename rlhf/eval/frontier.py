@@ -50,8 +50,8 @@ EVAL = "metrics/eval.json"
 TRAINING = {"ppo.seconds": "metrics/ppo.json", "dpo.seconds": "metrics/dpo.json"}  # each method's wall time
 BOUND = "kl.best_of_n_bound"
 # the same quantity for the trained policy and for the reference (the KL-0 row)
-POLICY_VS_REFERENCE = {"policy.reward_mean": "reference.reward_mean",
-                       "policy.positive_rate": "reference.positive_rate",
+POLICY_VS_REFERENCE = {"reward.policy_mean": "reward.reference_mean",
+                       "reward.policy_positive_rate": "reward.reference_positive_rate",
                        "fluency.ref_perplexity": "fluency.reference_ref_perplexity",
                        "diversity.distinct2": "diversity.reference_distinct2"}
 JUDGE = re.compile(r"judge\.(.+)\.policy_positive_rate")
@@ -130,15 +130,15 @@ def point_row(name: str, series: str, label: str, params: dict[str, Any], metric
            **{key: params.get(key) for key in METHOD_KNOBS.get(method, [])}, **sampled_or_bound(evaluation)}
     row |= {key: evaluation.get(key) for key in POLICY_VS_REFERENCE}
     row |= {key: value for key, value in evaluation.items() if JUDGE.fullmatch(key)}
-    row["objective/kl_coef"] = metrics.get(TRAINING["ppo.seconds"], {}).get("objective/kl_coef")
-    row |= {key: metrics.get(file, {}).get("seconds") for key, file in TRAINING.items()}
+    row["objective/kl_coef"] = metrics.get(TRAINING["ppo.seconds"], {}).get("ppo.objective/kl_coef")
+    row |= {key: metrics.get(file, {}).get(key) for key, file in TRAINING.items()}
     return row | (distances(row, evaluation, curve) if curve is not None and row["kl.mean"] is not None else {})
 
 
 def distances(row: dict, evaluation: dict[str, Any], curve: pd.DataFrame) -> dict[str, Any]:
     """The point's gain over its reference as a fraction of the optimum's at its KL, for the reward model and each
     judge (``optimum.rm_fraction``, ``optimum.<judge>_fraction``), and whether the optimum is reliable there."""
-    scorers = {"rm": ("reward", "policy.positive_rate", "reference.positive_rate")}
+    scorers = {"rm": ("reward", "reward.policy_positive_rate", "reward.reference_positive_rate")}
     scorers |= {found[1]: (found[1], key, f"judge.{found[1]}.reference_positive_rate")
                 for key in evaluation if (found := JUDGE.fullmatch(key))}
     out: dict[str, Any] = {}
@@ -161,7 +161,7 @@ def limit_rows(tables: dict[Any, dict[str, pd.DataFrame]]) -> list[dict]:
                   and c != "reward.positive_rate"]
 
         def scores(r: pd.Series, judges: list[str] = judges) -> dict[str, float]:
-            return {"policy.reward_mean": r["reward.mean"], "policy.positive_rate": r["reward.positive_rate"],
+            return {"reward.policy_mean": r["reward.mean"], "reward.policy_positive_rate": r["reward.positive_rate"],
                     **{f"judge.{j}.policy_positive_rate": r[f"{j}.positive_rate"] for j in judges}}
 
         for series in (OPTIMUM, POOL_BEST_OF_N):
@@ -265,7 +265,7 @@ def columns(rows: list[dict]) -> list[str]:
     fractions = sorted({key for row in rows for key in row if key.endswith("_fraction")},
                        key=lambda key: (key != "optimum.rm_fraction", key))
     return ["experiment", "series", "point", "seed", *KNOBS, "kl.source", "kl.mean", "kl.full_mean",
-            "policy.reward_mean", "policy.positive_rate", *judges, *fractions, "optimum.reliable",
+            "reward.policy_mean", "reward.policy_positive_rate", *judges, *fractions, "optimum.reliable",
             "fluency.ref_perplexity", "diversity.distinct2", "objective/kl_coef", *TRAINING]
 
 
@@ -274,7 +274,7 @@ def chart_points(means: list[dict]) -> list[dict]:
     ends of its error bar (mean +- standard error; None for a point of one seed)."""
     records = []
     for row in means:
-        scorers = {RM: "policy.positive_rate"}
+        scorers = {RM: "reward.policy_positive_rate"}
         scorers |= {found[1]: key for key in row if (found := JUDGE.fullmatch(key))}
         bound = row.get("kl.source") == "bound"
         label = f"{row['point']} (KL bound)" if bound and row["point"] != REFERENCE else row["point"]
@@ -304,7 +304,7 @@ def report(means: list[dict]) -> str:
     """The means table for people: a Markdown row per point (the optimum at the chart's betas only), positive rates
     as percentages with their standard error, and each point's share of the optimum's gain at its KL."""
     judges = sorted({found[1] for row in means for key in row if (found := JUDGE.fullmatch(key))})
-    rates = {"RM": "policy.positive_rate"} | {j: f"judge.{j}.policy_positive_rate" for j in judges}
+    rates = {"RM": "reward.policy_positive_rate"} | {j: f"judge.{j}.policy_positive_rate" for j in judges}
     shares = {"RM": "optimum.rm_fraction"} | {j: f"optimum.{j}_fraction" for j in judges}
 
     def cell(row: dict, key: str, scale: float = 1.0, digits: int = 1) -> str:

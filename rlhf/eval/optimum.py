@@ -11,7 +11,6 @@ log N (the most any reweighting of N samples can reach).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -23,10 +22,6 @@ from rlhf.pipeline.errors import PipelineError
 from rlhf.rl import optimum as opt
 from rlhf.rl.preference import best_of_n_kl
 
-POOL = Path("data/optimum/pool.parquet")
-CURVE = Path("metrics/optimum/curve.csv")  # read by the frontier from each experiment's commit
-BEST_OF_N = Path("metrics/optimum/best_of_n.csv")
-METRICS = Path("metrics/optimum.json")
 BETAS = np.geomspace(10.0, 0.01, 61)  # from next to the reference to far past any pool's saturation
 MIN_ESS = 10.0
 SATURATION = 1.0

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rlhf.models.lora import adapters_on
-from rlhf.models.policy import lm_head, position_ids_from
+from rlhf.models.policy import kv_cache, lm_head, position_ids_from
 from rlhf.models.sampling import SamplingParams, sample_tokens
 from rlhf.models.static_decoder import StaticDecoder, compute_dtype, static_decoding_supports
 
@@ -49,7 +49,9 @@ def decode_dynamic(lm: PreTrainedModel, queries: torch.Tensor, query_mask: torch
     B = len(queries)
     responses = torch.empty((B, new_tokens), dtype=torch.long, device=queries.device)
     attention_mask, positions = query_mask, position_ids_from(query_mask)
-    out = lm.base_model(input_ids=queries, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+    _, cache = kv_cache(lm.base_model)
+    out = lm.base_model(input_ids=queries, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                        **cache)
     for t in range(new_tokens):
         responses[:, t] = sample_tokens(lm_head(lm, out.last_hidden_state[:, -1]), sampling)
         if t == new_tokens - 1:
@@ -58,7 +60,7 @@ def decode_dynamic(lm: PreTrainedModel, queries: torch.Tensor, query_mask: torch
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
         positions = positions[:, -1:] + 1
         out = lm.base_model(input_ids=responses[:, t: t + 1], attention_mask=attention_mask, position_ids=positions,
-                            past_key_values=out.past_key_values, use_cache=True)
+                            use_cache=True, **cache)
     return responses
 
 

@@ -26,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.activations import ACT2FN, NewGELUActivation
+from transformers.utils import logging as hf_logging
 
 from rlhf.models.lora import merge_adapters
 from rlhf.pipeline.errors import ModelError
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 FAST_GELU = "gelu_pytorch_tanh"
+# the way on when a Hub id cannot be had because the Hub cannot be reached
+NO_HUB = ("without the Hub, the offline recipe trains its own models: python -m tools.recipe offline-cpu --imdb "
+          "<IMDb folder> --tokenizer <GPT-2 tokenizer folder> (README)")
 
 
 def _load_kwargs(name: str, model: ModelParams) -> dict[str, Any]:
@@ -65,14 +69,14 @@ def unreachable_hub_id(value: str, repo_type: str) -> str | None:
         if (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=value, repo_type=repo_type)).is_dir():
             return None
         if constants.HF_HUB_OFFLINE:
-            return "HF_HUB_OFFLINE is set and it is not in the Hub cache"
+            return f"HF_HUB_OFFLINE is set and it is not in the Hub cache; {NO_HUB}"
         HfApi().repo_info(value, repo_type=repo_type, timeout=10)
     except (RepositoryNotFoundError, HFValidationError) as e:
         return str(e).splitlines()[0]
     except HfHubHTTPError:
         return None
     except Exception as e:  # offline mode, DNS, refused or timed-out connections: each its own type
-        return f"cannot reach the Hub: {str(e).splitlines()[0]}"
+        return f"cannot reach the Hub: {str(e).splitlines()[0]}; {NO_HUB}"
     return None
 
 
@@ -188,6 +192,9 @@ def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, ne
     check_local_dir(name, what)
     check_weights_format(name, what, model.allow_pickle)
     check_safetensors(name, what)
+    verbosity = hf_logging.get_verbosity()
+    if new_head:  # transformers' load report would list the new head as missing: expected, and checked below
+        hf_logging.set_verbosity_error()
     try:
         loaded, info = auto_cls.from_pretrained(
             name, use_safetensors=None if model.allow_pickle else True, output_loading_info=True,
@@ -195,6 +202,8 @@ def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, ne
         )
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise ModelError(f"{what}: cannot load a model from {name!r}: {str(e).splitlines()[0]}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     missing = sorted(key for key in info["missing_keys"]
                      if not (new_head and not key.startswith(loaded.base_model_prefix)))
     if missing:

@@ -4,13 +4,14 @@ the LM alone for the critic-free estimators."""
 from __future__ import annotations
 
 import copy
+import inspect
 from pathlib import Path
 from typing import Literal
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.loading import save_pretrained
 from rlhf.models.precision import cuda_matmul_precision, full_precision, head_precision
@@ -75,6 +76,15 @@ def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase,
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     """Left padding must not shift positions: the first real token is position 0 in every row."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def kv_cache(backbone: nn.Module) -> tuple[DynamicCache, dict[str, DynamicCache]]:
+    """An empty KV cache for ``backbone``'s forward, which fills it in place, and the keyword that passes it: ``cache``
+    since transformers 5.24, which deprecated ``past_key_values`` (with a warning wherever it is passed or read);
+    the project runs on either. (cache, {keyword: cache})."""
+    cache = DynamicCache(config=backbone.config)
+    keyword = "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
+    return cache, {keyword: cache}
 
 
 def backbone_hidden(backbone: nn.Module, query_responses: torch.Tensor, attention_mask: torch.Tensor,

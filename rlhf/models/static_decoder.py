@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Model
 
 from rlhf.models.lora import adapter, base_layer
-from rlhf.models.policy import lm_head, position_ids_from
+from rlhf.models.policy import kv_cache, lm_head, position_ids_from
 from rlhf.models.sampling import SamplingParams, sample_tokens
 
 
@@ -104,8 +104,9 @@ class StaticDecoder:
         and sample the first token."""
         P = queries.shape[1]
         positions = position_ids_from(query_mask)
-        out = self.body(input_ids=queries, attention_mask=query_mask, position_ids=positions, use_cache=True)
-        for keys, values, layer in zip(self.keys, self.values, out.past_key_values.layers, strict=True):
+        cache, passed = kv_cache(self.body)
+        out = self.body(input_ids=queries, attention_mask=query_mask, position_ids=positions, use_cache=True, **passed)
+        for keys, values, layer in zip(self.keys, self.values, cache.layers, strict=True):
             keys[:, :, :P].copy_(layer.keys)
             values[:, :, :P].copy_(layer.values)
         self.bias.fill_(float("-inf"))

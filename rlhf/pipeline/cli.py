@@ -22,6 +22,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, si
                 signal.SIGXCPU)
 STOPPED_BY = [signal.SIGINT]  # the signal that stopped the run, for the message and the exit status
 PROGRAM = [False]  # run_stage runs the program (python -m stages.X, a tool), not a test calling a main
+STARTED = time.perf_counter()  # about when the process started: stages/__init__.py imports this module first
 
 
 def stage_help(stage: str, root: Path) -> str:
@@ -119,12 +120,11 @@ def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> Non
     PROGRAM[0] = module.__name__ == "__main__"
     stop_signals(raise_interrupt)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    start = time.perf_counter()
     try:
         main()
         finishing()
-        if stage is not None:
-            logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - start)
+        if stage is not None:  # the wall time, imports included
+            logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - STARTED)
     except KeyboardInterrupt as e:
         stop_signals(signal.SIG_IGN)  # a second Ctrl-C must not add a traceback to the one line
         stopped = "interrupted" if STOPPED_BY[0] == signal.SIGINT else f"stopped by {STOPPED_BY[0].name}"

@@ -21,6 +21,9 @@ PPO_CURVES = Path("metrics/ppo")  # DVCLive's folder
 SFT_DIR, REWARD_DIR = Path("models/sft"), Path("models/reward")
 POLICIES = {"ppo": Path("models/policy"), "dpo": Path("models/dpo")}  # each training method's (best_of_n: none)
 POLICY_DIR, DPO_DIR = POLICIES["ppo"], POLICIES["dpo"]
+OPTIMUM_POOL, OPTIMUM_METRICS = Path("data/optimum/pool.parquet"), Path("metrics/optimum.json")
+OPTIMUM_CURVE = Path("metrics/optimum/curve.csv")  # read by the frontier from each experiment's commit
+OPTIMUM_BEST_OF_N = Path("metrics/optimum/best_of_n.csv")
 
 CHECKPOINTS_DIR = Path("data/checkpoints")  # not a DVC output: DVC deletes outputs before rerunning a stage
 CHECKPOINT_PREFIX = "step-"  # CHECKPOINTS_DIR/<stage>/step-NNNNNN: one checkpoint (rlhf/train/checkpoint.py)

@@ -109,6 +109,12 @@ class PpoParams(Section):
             raise Rule("kl_loss_coef", f"must be 0 with ppo.advantage_estimator {name} (a KL loss term is GRPO's; "
                                        "the others keep the KL penalty in the reward: ppo.init_kl_coef)",
                        self.kl_loss_coef)
+        if estimator.needs_kl_coef and self.init_kl_coef <= 0:
+            raise Rule("init_kl_coef", f"must be > 0 with ppo.advantage_estimator {name} (its weights are exp(R / "
+                                       "kl_coef))", self.init_kl_coef)
+        if estimator.needs_kl_coef and self.kl_penalty != "kl":
+            raise Rule("kl_penalty", f"must be kl with ppo.advantage_estimator {name} (only k1's summed log-ratio "
+                                     "makes R / kl_coef the sample's log importance weight)", self.kl_penalty)
         if self.value_model == "separate" and not estimator.trains_critic:
             raise Rule("value_model", f"must be 'shared' with ppo.advantage_estimator {name}, which trains no "
                                       "critic (a separate critic would never be used)", self.value_model)

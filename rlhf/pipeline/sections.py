@@ -244,7 +244,7 @@ class EvaluateParams(Section):
     """Extra scorers: 'vader' (lexicon) or any sentiment classifier (Hub id or local dir); metrics keys judge.<name>.*,
     the name 'vader' or the model's last path component ('lvwerra/distilbert-imdb': distilbert-imdb)."""
     greedy: bool
-    """Also run a greedy-decoding pass of both models and report its scores (keys policy_greedy.*, ...)."""
+    """Also run a greedy-decoding pass of both models and report its scores (keys reward.policy_greedy_*, ...)."""
     batch_size: int = Field(gt=0)
     """Prompts per generate/score/forward batch."""
     examples: int = Field(ge=0)

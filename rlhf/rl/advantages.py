@@ -1,6 +1,7 @@
 """Advantage estimators as pure tensor functions, one ``<name>_advantages`` per ``ppo.advantage_estimator``: GAE over
-a critic's values, and the critic-free RLOO, GRPO, Dr. GRPO and REINFORCE++; and ``ESTIMATORS``, one record each
-holding its function, read by the params validation, ``--help`` and the trainer (``ESTIMATORS[name].advantages``).
+a critic's values, and the critic-free RLOO, GRPO, Dr. GRPO, conditional DPG and REINFORCE++; and ``ESTIMATORS``, one
+record each holding its function, read by the params validation, ``--help`` and the trainer
+(``ESTIMATORS[name].advantages``).
 Adding an estimator: its function and its record here, its test.
 
 Tensors are (B, T) over response positions with a positive ``mask`` (1 = real token); no I/O, only torch.
@@ -126,6 +127,28 @@ def dr_grpo_advantages(sequence_rewards: torch.Tensor, mask: torch.Tensor, k: in
     return _on_real_tokens(r - r.mean(1, keepdim=True), mask)
 
 
+def dpg_advantages(sequence_rewards: torch.Tensor, mask: torch.Tensor, k: int, kl_coef: float) -> torch.Tensor:
+    """Conditional distributional policy gradient toward the KL-regularised optimum pi_beta(y|x) ∝ pi_ref(y|x)
+    exp(r(x, y) / beta) (Korbak et al. 2022, "Controlling conditional language models without catastrophic
+    forgetting", ICML, arXiv:2112.00791; Go et al. 2023, f-DPG with the forward KL): the gradient of
+    -KL(pi_beta || pi), E_pi[pi_beta(y) / pi(y) grad log pi(y)], with the importance weights self-normalised over the
+    k samples of each prompt (which estimates its partition function Z(x)) and the mean subtracted as a baseline,
+
+        w_i = softmax_i(R_i / beta) over i's group,   A_i = k w_i - 1,
+
+    on every real token of sample i, 0 on padding; (B,) ``sequence_rewards``, (B, T) ``mask`` -> (B, T) advantages.
+    With R_i = r_i - beta sum_t log pi / pi_ref (the score plus the summed k1 KL penalty at ``kl_coef`` = beta, as
+    compute_rewards gives it under ppo.kl_penalty kl; the other KL estimates would bias the weights), R_i / beta =
+    log(pi_ref(y_i) exp(r_i / beta) / pi(y_i)): the log-weight of y_i. At pi = pi_beta every R_i of a prompt is
+    equal, so the advantages are exactly 0 there. The advantages lie in [-1, k - 1] and sum to 0 over a group
+    whatever the rewards' scale. Samples grouped as in group_view; k >= 2.
+    """
+    if kl_coef <= 0:
+        raise ValueError(f"dpg_advantages: kl_coef = {kl_coef}; the weights exp(R / kl_coef) need kl_coef > 0")
+    R = _groups(sequence_rewards, mask, k, "dpg_advantages")
+    return _on_real_tokens(k * torch.softmax(R / kl_coef, dim=1) - 1, mask)
+
+
 def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor,
                             gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262), the paper's plain version: per-token ``rewards`` (the score on the
@@ -158,10 +181,11 @@ class AdvantageSettings(Protocol):
     whiten_rewards: bool
 
 
-Advantages = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, AdvantageSettings],
+Advantages = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, AdvantageSettings, float],
                       tuple[torch.Tensor, torch.Tensor | None]]
-"""(per-token rewards (B, T) as ``compute_rewards`` gives them, masks, values or None, settings) -> (advantages,
-returns or None); the estimators that score a whole response take its summed reward, ``rewards.sum(1)``."""
+"""(per-token rewards (B, T) as ``compute_rewards`` gives them, masks, values or None, settings, the KL coefficient
+those rewards were made with) -> (advantages, returns or None); the estimators that score a whole response take its
+summed reward, ``rewards.sum(1)``."""
 
 CRITIC_KEYS = ("value_model", "vf_coef", "cliprange_value")  # the ppo.* keys only a value head reads
 GROUP_IGNORES = ("gamma", "lam", "whiten_rewards")
@@ -171,7 +195,8 @@ GROUP_IGNORES = ("gamma", "lam", "whiten_rewards")
 class Estimator:
     """``advantages``: the estimator's function; ``doc``: what the advantage is, and whose; ``trains_critic``: learns a
     value head (GAE); ``min_samples_per_prompt``: the k its baseline needs (the prompt's other samples); ``kl_loss``:
-    accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``ignores``: the ppo.* keys it leaves unused besides the
+        accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``needs_kl_coef``: reads R / kl_coef as a log importance
+    weight (ppo.init_kl_coef > 0, ppo.kl_penalty kl); ``ignores``: the ppo.* keys it leaves unused besides the
     critic's."""
 
     advantages: Advantages
@@ -179,6 +204,7 @@ class Estimator:
     trains_critic: bool = False
     min_samples_per_prompt: int = 1
     kl_loss: bool = False
+    needs_kl_coef: bool = False
     ignores: tuple[str, ...] = ()
 
     @property
@@ -190,28 +216,38 @@ class Estimator:
         """One line for the params docs: the doc and the rules."""
         rules = [f"k >= {self.min_samples_per_prompt}"] if self.min_samples_per_prompt > 1 else []
         rules += ["kl_loss_coef allowed"] if self.kl_loss else []
+        rules += ["init_kl_coef > 0, kl_penalty kl"] if self.needs_kl_coef else []
         return f"{self.doc}; {'value head' if self.trains_critic else 'no critic'}" + "".join(f", {r}" for r in rules)
 
 
 ESTIMATORS = {
     "gae": Estimator(
-        lambda rewards, masks, values, cfg: gae_advantages(values, rewards, masks, cfg.gamma, cfg.lam,
-                                                           cfg.whiten_rewards),
+        lambda rewards, masks, values, cfg, kl_coef: gae_advantages(values, rewards, masks, cfg.gamma, cfg.lam,
+                                                                    cfg.whiten_rewards),
         "PPO's value head and GAE (Schulman et al. 2016)", trains_critic=True),
     "rloo": Estimator(
-        lambda rewards, masks, values, cfg: (rloo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
+        lambda rewards, masks, values, cfg, kl_coef: (
+            rloo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
         "R_i minus the mean R of the prompt's other k - 1 samples (Ahmadian et al. 2024)",
         min_samples_per_prompt=2, ignores=GROUP_IGNORES),
     "grpo": Estimator(
-        lambda rewards, masks, values, cfg: (grpo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
+        lambda rewards, masks, values, cfg, kl_coef: (
+            grpo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
         "(R_i - mean of the prompt's k samples) / (their std + 1e-4) (Shao et al. 2024)",
         min_samples_per_prompt=2, kl_loss=True, ignores=GROUP_IGNORES),
     "dr_grpo": Estimator(
-        lambda rewards, masks, values, cfg: (dr_grpo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
+        lambda rewards, masks, values, cfg, kl_coef: (
+            dr_grpo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
         "R_i - mean of the prompt's k samples: GRPO without the std (Dr. GRPO, Liu et al. 2025)",
         min_samples_per_prompt=2, kl_loss=True, ignores=GROUP_IGNORES),
+    "dpg": Estimator(
+        lambda rewards, masks, values, cfg, kl_coef: (
+            dpg_advantages(rewards.sum(1), masks, cfg.samples_per_prompt, kl_coef), None),
+        "k softmax(R / kl_coef) over the prompt's k samples - 1: the forward-KL gradient toward pi_ref exp(r / "
+        "kl_coef) (conditional DPG, Korbak et al. 2022)", min_samples_per_prompt=2, needs_kl_coef=True,
+        ignores=GROUP_IGNORES),
     "reinforce_pp": Estimator(
-        lambda rewards, masks, values, cfg: reinforce_pp_advantages(rewards, masks, cfg.gamma),
+        lambda rewards, masks, values, cfg, kl_coef: reinforce_pp_advantages(rewards, masks, cfg.gamma),
         "the discounted return-to-go of the per-token rewards, whitened over the batch (REINFORCE++, Hu 2025)",
         ignores=("lam", "whiten_rewards")),
 }

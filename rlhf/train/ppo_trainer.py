@@ -161,7 +161,8 @@ class PPOTrainer:
         masks = samples.response_mask
         kl = ppo.kl_penalty(out.logprobs, ref.logprobs, cfg.kl_penalty, out.logits, ref.logits) * masks
         rewards, non_score_reward = ppo.compute_rewards(scores, kl, masks, self.kl_ctl.value)
-        advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(rewards, masks, out.values, cfg)
+        advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(rewards, masks, out.values, cfg,
+                                                                               self.kl_ctl.value)
         experience = ppo.Experience(logprobs=out.logprobs, ref_logprobs=ref.logprobs, values=out.values,
                                     advantages=advantages, returns=returns, masks=masks)
         return Rollout(samples=samples, queries=queries, responses=responses, scores=scores, experience=experience,
