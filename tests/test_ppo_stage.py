@@ -64,13 +64,15 @@ def test_two_processes_on_cpu(ppo_project: Path) -> None:
     assert json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]["processes"] == 2
     assert (ppo_project / "models/policy/model.safetensors").exists()
 
-    # one process killed at its third step: the other's collective fails, a traceback from inside gloo, then one line
+    # one process killed at its third step: the other's collective fails, or torchrun's SIGTERM reaches it first
+    # (under load): either way one line, naming the checkpoint kept
     set_params(ppo_project, **{"ppo.learning_rate": 2e-5})  # another run: no result to reuse
     result = run(ppo_project, str(torchrun), "--nproc_per_node", "2", str(ROOT / "tests/fault.py"), "ppo", "--where",
                  r"ppo_trainer\.py:PPOTrainer\.step$", "--at", "3", "--kind", "kill", "--rank", "1")
-    rank0 = [line for line in result.stderr.splitlines() if line.startswith(("error: ", "[rank0]:"))]
-    assert len(rank0) == 1 and re.fullmatch(r"error: another process of this run died \(.+\); checkpoint "
-                                            r"data/checkpoints/ppo/step-000001 kept; rerun to resume", rank0[0]), rank0
+    rank0 = [line for line in result.stderr.splitlines() if line.startswith(("error: ", "stopped by ", "[rank0]:"))]
+    assert len(rank0) == 1 and re.fullmatch(r"(error: another process of this run died \(.+\)|stopped by SIGTERM( at "
+                                            r"step \d+)?); checkpoint data/checkpoints/ppo/step-000001 kept; rerun to "
+                                            r"resume", rank0[0]), rank0
 
 
 def test_response_longer_than_the_context(ppo_project: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
