@@ -29,6 +29,7 @@ from conftest import TINY, set_params
 from helpers import leftovers, run, run_cli, snapshot, training_project
 from safetensors.torch import load_file
 
+from rlhf.models import scorers
 from rlhf.pipeline.errors import TrainingError
 from rlhf.pipeline.params import load_params
 from stages import evaluate as evaluate_stage
@@ -184,7 +185,7 @@ class LengthScorer:
 
 def score_with(monkeypatch: pytest.MonkeyPatch, scorer: LengthScorer) -> None:
     """The ppo stage scores with ``scorer`` instead of the reward model."""
-    monkeypatch.setattr(ppo_stage, "make_reward_scorer", lambda *args: scorer)
+    monkeypatch.setattr(scorers, "make_reward_scorer", lambda *args: scorer)  # the stage imports it when it runs
 
 
 @pytest.mark.slow

@@ -45,8 +45,9 @@ def read_prompts(path: Path) -> Prompts:
     if table.num_rows == 0:
         raise DataError(f"{path}: no prompts")
     ids, queries = table["input_ids"], table["query"]
-    if not (pa.types.is_list(ids.type) and pa.types.is_integer(ids.type.value_type)) \
-            or not pa.types.is_string(queries.type):
+    lists = pa.types.is_list(ids.type) or pa.types.is_large_list(ids.type)  # pandas writes large strings too
+    if not (lists and pa.types.is_integer(ids.type.value_type)) \
+            or not (pa.types.is_string(queries.type) or pa.types.is_large_string(queries.type)):
         raise DataError(f"{path}: input_ids is {ids.type} and query {queries.type}, not lists of token ids and "
                         "texts: rerun the prepare stage")
     prompts = Prompts(ids.to_pylist(), queries.to_pylist())
