@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 
 import pyarrow as pa
-import torch
 
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
@@ -51,7 +50,7 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.eval import optimum
     from rlhf.models.loading import load_initial_policy
     from rlhf.models.precision import pick_device
-    from rlhf.models.rollout import SamplingParams, response_lengths
+    from rlhf.models.rollout import SamplingParams, evaluation_lengths
     from rlhf.models.runs import Sampler
     from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer
     from rlhf.train.rng import seed_everything
@@ -75,12 +74,9 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, cfg.response_max_tokens, f"the reference ({what})")
     reference.to(device).eval()
 
-    # evaluate's lengths: drawn for every eval prompt from the seed, so the first P are evaluation's own
-    lengths = response_lengths(len(prompts), cfg.response_min_tokens, cfg.response_max_tokens,
-                               torch.Generator().manual_seed(params.seed))
-    sampler = Sampler(reference, tokenizer, SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature),
-                      params.evaluate.batch_size)
-    pool = optimum.draw_pool(sampler, prompts.input_ids[:P], lengths[:P], n, params.seed)
+    sampler = Sampler(reference, tokenizer, SamplingParams.of(cfg), params.evaluate.batch_size)
+    pool = optimum.draw_pool(sampler, prompts.input_ids[:P], evaluation_lengths(params, len(prompts))[:P], n,
+                             params.seed)
     pool = optimum.score_pool(pool, prompts.queries[:P], scorers, params.evaluate.batch_size)
     curve, best_of_n = optimum.curve(pool, list(scorers)), optimum.best_of_n(pool, list(scorers))
 

@@ -78,7 +78,7 @@ def write_pairs(params: Params, outputs: StagedOutputs) -> None:
     cfg = params.ppo
     check_prompts(TRAIN_PROMPTS, prompts, tokenizer, lm, cfg.response_max_tokens, "the initial policy")
     lm.to(device).eval()
-    sampler = Sampler(lm, tokenizer, SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature), BATCH)
+    sampler = Sampler(lm, tokenizer, SamplingParams.of(cfg), BATCH)
     for offset, (idx, path) in enumerate(zip(indices, (SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS), strict=True)):
         table = sample_pairs(sampler, prompts.take(idx), params.dpo.samples_per_prompt,
                              (cfg.response_min_tokens, cfg.response_max_tokens), scorer, params.seed + offset)

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.prompts import Prompts
-from rlhf.models.rollout import SamplingParams, forward, response_lengths
+from rlhf.models.rollout import SamplingParams, evaluation_lengths, forward
 from rlhf.models.runs import Run, Sampler, best_of_n_run, score_run
 from rlhf.models.scorers import REWARD, Scorer, positive_threshold
 from rlhf.pipeline.params import Params
@@ -150,9 +150,8 @@ def evaluate_policy(policy: PreTrainedModel | None, reference: PreTrainedModel, 
     ``policy`` None: the policy run is the reward scorer's best of evaluate.best_of_n reference responses (whose
     greedy run is the reference's: N greedy decodes are one)."""
     cfg, e = params.ppo, params.evaluate
-    lengths = response_lengths(len(prompts), cfg.response_min_tokens, cfg.response_max_tokens,
-                               torch.Generator().manual_seed(params.seed))
-    sampling = SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature)
+    lengths = evaluation_lengths(params, len(prompts))
+    sampling = SamplingParams.of(cfg)
     runs: dict[str, Run] = {}
     for suffix, mode in {"": sampling, **({"_greedy": GREEDY} if e.greedy else {})}.items():
         sampler = Sampler(reference, tokenizer, mode, e.batch_size)

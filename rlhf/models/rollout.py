@@ -7,6 +7,7 @@ are the contiguous slice ``query_responses[:, P:]`` and ``response_mask`` (B, R)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -15,6 +16,9 @@ from rlhf.models.decoding import decode
 from rlhf.models.policy import PolicyWithValueHead, response_logits
 from rlhf.models.sampling import SamplingParams
 from rlhf.rl.logprobs import logprobs_and_entropy
+
+if TYPE_CHECKING:
+    from rlhf.pipeline.params import Params
 
 
 @dataclass
@@ -40,6 +44,14 @@ class Samples:
 def response_lengths(n: int, min_tokens: int, max_tokens: int, generator: torch.Generator) -> list[int]:
     """Per-sample response lengths, uniform in [min_tokens, max_tokens] (the classic recipe's LengthSampler)."""
     return torch.randint(min_tokens, max_tokens + 1, (n,), generator=generator).tolist()
+
+
+def evaluation_lengths(params: Params, n: int) -> list[int]:
+    """The response length of each of ``n`` eval prompts, drawn from the seed: the same in every run and for every
+    model (the optimum's pool samples its prompts at these lengths too)."""
+    cfg = params.ppo
+    return response_lengths(n, cfg.response_min_tokens, cfg.response_max_tokens,
+                            torch.Generator().manual_seed(params.seed))
 
 
 def left_pad(query_ids: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rlhf.pipeline.ppo_params import PpoParams
 
 
 @dataclass(frozen=True)
@@ -12,6 +16,11 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     temperature: float = 1.0
+
+    @classmethod
+    def of(cls, cfg: PpoParams) -> SamplingParams:
+        """The ppo section's sampling keys: what training, evaluation, sampled pairs and the optimum's pool share."""
+        return cls(cfg.top_k, cfg.top_p, cfg.temperature)
 
 
 def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

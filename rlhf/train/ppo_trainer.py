@@ -85,7 +85,7 @@ class PPOTrainer:
         self.kl_ctl = (ppo.AdaptiveKLController(cfg.init_kl_coef, cfg.target, cfg.horizon) if cfg.adap_kl_ctrl
                        else ppo.FixedKLController(cfg.init_kl_coef))
         self.score_moments = ppo.RunningMoments()
-        self.sampling = SamplingParams(cfg.top_k, cfg.top_p, cfg.temperature)
+        self.sampling = SamplingParams.of(cfg)
         if self.ref_policy is not None:
             self.ref_policy.eval().requires_grad_(False)
 
