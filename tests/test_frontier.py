@@ -20,7 +20,6 @@ from test_experiments import git_commit
 
 from rlhf.eval import optimum
 from rlhf.eval.frontier import (
-    LABELLED_BETAS,
     chart_points,
     frontier_files,
     frontier_rows,
@@ -205,7 +204,7 @@ def test_the_limit_joins_as_series_and_each_point_gets_its_share_of_the_optimum(
     # each round beta names the one grid point nearest it (the grid, 20 a decade, holds few of them exactly)
     labels = {r["point"]: r["label"] for r in chart
               if r["series"] == "optimum" and r["label"] not in ("", "reference")}
-    assert sorted(labels.values()) == sorted(f"beta{b:g}" for b in LABELLED_BETAS)
+    assert sorted(labels.values()) == sorted(f"beta{b:g}" for b in optimum.ROUND_BETAS)
     assert labels["beta0.316228"] == "beta0.3" and labels["beta0.1"] == "beta0.1"
     monkeypatch.chdir(tmp_path)
     write_frontier(rows, "cpu")

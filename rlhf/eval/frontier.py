@@ -33,7 +33,6 @@ DEFAULT_SERIES = "ppo"  # the series of PPO points swept without --series
 REFERENCE = "reference"
 RM = "reward model"
 OPTIMUM, POOL_BEST_OF_N = "optimum", "best-of-n pool"  # the limit's series, from the optimum stage's pool
-LABELLED_BETAS = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.03)  # the optimum's points the chart and the report name
 # each kind of point: its label prefix -> (the series it joins unless --series names one, its params keys)
 KINDS: dict[str, tuple[str | None, Callable[[Any], dict[str, Any]]]] = {
     "kl": (None, lambda c: {"method": "ppo", "ppo.adap_kl_ctrl": False, "ppo.init_kl_coef": c}),
@@ -279,7 +278,7 @@ def chart_points(means: list[dict]) -> list[dict]:
         bound = row.get("kl.source") == "bound"
         label = f"{row['point']} (KL bound)" if bound and row["point"] != REFERENCE else row["point"]
         if row["series"] == OPTIMUM and row["point"] != REFERENCE:
-            label = beta_label(row["point"])
+            label = f"beta{b:g}" if (b := optimum.round_beta(float(row["point"][4:]))) else ""
         reliable = row.get("optimum.reliable")
         for scorer, key in scorers.items():
             if row.get(key) is None:
@@ -291,14 +290,6 @@ def chart_points(means: list[dict]) -> list[dict]:
                             **bar("kl", row["kl.mean"], row.get("kl.mean.stderr")),
                             **bar("positive_rate", row[key], row.get(f"{key}.stderr"))})
     return records
-
-
-def beta_label(point: str) -> str:
-    """An optimum point's label: the round beta of LABELLED_BETAS it stands for ('beta0.3' for 'beta0.316228', the
-    grid's nearest), '' for the rest of the grid. Within half a step of optimum.BETAS, each round beta names one
-    point."""
-    beta, half_step = float(point.removeprefix("beta")), abs(math.log(optimum.BETAS[1] / optimum.BETAS[0])) / 2
-    return next((f"beta{b:g}" for b in LABELLED_BETAS if abs(math.log(beta / b)) < half_step), "")
 
 
 def bar(name: str, mean: float | None, stderr: float | None) -> dict[str, float | None]:
@@ -326,7 +317,7 @@ def report(means: list[dict]) -> str:
               *(f"{s} share of the optimum's gain" for s in shares), "optimum reliable"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in means:
-        if row["series"] == OPTIMUM and row["point"] != REFERENCE and not beta_label(row["point"]):
+        if row["series"] == OPTIMUM and row["point"] != REFERENCE and not optimum.round_beta(float(row["point"][4:])):
             continue
         reliable = row.get("optimum.reliable")
         lines.append("| " + " | ".join([

@@ -25,6 +25,7 @@ from rlhf.rl.preference import best_of_n_kl
 BETAS = np.geomspace(10.0, 0.01, 61)  # from next to the reference to far past any pool's saturation
 MIN_ESS = 10.0
 SATURATION = 1.0
+ROUND_BETAS = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.03)  # the grid points the frontier's chart and report name
 # a pooled sample's memory, roughly: its text, token ids and columns (measured ~2.2 KiB at 16 tokens), generously
 SAMPLE_BYTES, TOKEN_BYTES = 1024, 128
 
@@ -55,6 +56,13 @@ def score_pool(pool: pd.DataFrame, queries: list[str], scorers: dict[str, Scorer
     scores = score_run(scorers, [queries[p] for p in pool["prompt"]], pool["response"].tolist(), batch_size,
                        "score the pool")
     return pool.assign(**{name: values.astype(np.float32) for name, values in scores.items()})
+
+
+def round_beta(beta: float) -> float | None:
+    """The round beta (ROUND_BETAS) that ``beta`` of BETAS stands for, within half a grid step (0.3 for 0.316228): each
+    names one grid point; None for the rest."""
+    half_step = abs(math.log(BETAS[1] / BETAS[0])) / 2
+    return next((b for b in ROUND_BETAS if abs(math.log(beta / b)) < half_step), None)
 
 
 def grid(pool: pd.DataFrame, column: str) -> torch.Tensor:
