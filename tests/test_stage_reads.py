@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import set_params, write_prompts
 
-from rlhf.pipeline.wiring import stages
+from rlhf.pipeline.wiring import stages, wiring
 
 TINY = {"prepare.train_prompts": 16, "prepare.eval_prompts": 8, "prepare.train_pairs": 32, "prepare.test_pairs": 8,
         "ppo.steps": 2, "ppo.batch_size": 4, "ppo.mini_batch_size": 2, "ppo.checkpoint_every": 1,
@@ -41,3 +41,6 @@ def test_stages_read_only_the_params_dvc_yaml_lists(trained: bool, method: dict,
     monkeypatch.chdir(project)
     for stage in stages():
         importlib.import_module(f"stages.{stage}").main()  # a key dvc.yaml does not list raises ParamsError
+        # and it ran to the end: every output dvc.yaml lists for it is there (a switched-off stage's markers too)
+        missing = [str(path) for path in wiring(stage).outputs if not path.exists()]
+        assert not missing, (stage, missing)
