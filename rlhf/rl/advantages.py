@@ -195,7 +195,7 @@ GROUP_IGNORES = ("gamma", "lam", "whiten_rewards")
 class Estimator:
     """``advantages``: the estimator's function; ``doc``: what the advantage is, and whose; ``trains_critic``: learns a
     value head (GAE); ``min_samples_per_prompt``: the k its baseline needs (the prompt's other samples); ``kl_loss``:
-        accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``needs_kl_coef``: reads R / kl_coef as a log importance
+    accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``needs_kl_coef``: reads R / kl_coef as a log importance
     weight (ppo.init_kl_coef > 0, ppo.kl_penalty kl); ``ignores``: the ppo.* keys it leaves unused besides the
     critic's."""
 
