@@ -23,9 +23,9 @@ from rlhf.pipeline.params import defaults
 from rlhf.train import dpo
 
 CPU = torch.device("cpu")
-CONFIG = defaults().dpo.model_copy(update=dict(loss="dpo", beta=0.1, label_smoothing=0.0, tau=0.1, learning_rate=1e-2,
-                                                batch_size=8, epochs=1, max_length=24, warmup_steps=2,
-                                                max_grad_norm=1.0, checkpoint_every=None))
+CONFIG = defaults().dpo.model_copy(update=dict(loss="dpo", beta=0.1, label_smoothing=0.0, tau=0.1, rpo_alpha=0.0,
+                                                learning_rate=1e-2, batch_size=8, epochs=1, max_length=24,
+                                                warmup_steps=2, max_grad_norm=1.0, checkpoint_every=None))
 RESPONSE_TOKENS = (4, 8)
 SAMPLING = SamplingParams()
 PAIR_PROMPTS = QUERIES
@@ -88,6 +88,23 @@ def test_preference_training_learns_an_obvious_signal(tiny_gpt2_dir: Path, token
     assert after["rewards/accuracies"] >= 0.9
     assert after["rewards/margins"] > 0 and after["logratios/chosen"] > after["logratios/rejected"]
     assert after["loss"] < before["loss"] and sum(result.losses[-4:]) / 4 < result.losses[0]
+
+
+@pytest.mark.slow
+def test_the_nll_term_holds_the_chosen_responses_likelihood_up(tiny_gpt2_dir: Path, tokenizer) -> None:
+    """RPO's term: trained alike, the policy with it gives the held-out chosen responses a higher log-ratio than the
+    one without, and still ranks the pairs."""
+    reference = load(tiny_gpt2_dir)
+    train = prepared(signal_pairs(64, 0), reference, tokenizer)
+    held_out = prepared(signal_pairs(32, 1), reference, tokenizer)
+    after = {}
+    for alpha in (0.0, 1.0):
+        lm = load(tiny_gpt2_dir)
+        config = CONFIG.model_copy(update=dict(rpo_alpha=alpha))
+        dpo.train(dpo.PairModel(lm, tokenizer, CPU), train, config, torch.Generator().manual_seed(0))
+        after[alpha] = dpo.evaluate(dpo.PairModel(lm, tokenizer, CPU), held_out, config)
+    assert after[1.0]["logratios/chosen"] > after[0.0]["logratios/chosen"] + 1
+    assert after[1.0]["rewards/accuracies"] >= 0.9
 
 
 def mean_score(lm, tokenizer, scorer, n: int = 64) -> float:

@@ -1,6 +1,6 @@
 """Each preference formula against a slow reference written straight from its paper, in Python floats: DPO, cDPO's
-label smoothing and IPO with their gradients, padding-safe sequence log-probs, implicit rewards, best-of-N's KL and
-selection, and the ranking of scored completions into pairs."""
+label smoothing and IPO with their gradients, RPO's NLL term, padding-safe sequence log-probs, implicit rewards,
+best-of-N's KL and selection, and the ranking of scored completions into pairs."""
 
 from __future__ import annotations
 
@@ -128,6 +128,14 @@ def test_dpo_gradient_through_padded_tokens_by_finite_differences() -> None:
                              0.1)
 
     assert torch.autograd.gradcheck(loss, inputs)
+
+
+def test_chosen_nll_is_the_mean_negative_log_likelihood_of_its_real_tokens() -> None:
+    for seed in range(4):
+        logprobs, mask = padded_logprobs(seed)
+        nll = pref.chosen_nll(pref.sequence_logprobs(logprobs, mask), mask.sum(-1))
+        expected = [-total / mask[i].sum().item() for i, total in enumerate(row_sums(logprobs, mask))]
+        assert nll.tolist() == pytest.approx(expected, rel=1e-12)
 
 
 def test_implicit_rewards_accuracy_and_margin() -> None:

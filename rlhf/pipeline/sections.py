@@ -224,6 +224,9 @@ class DpoParams(Schedule):
     """cDPO: the probability that a pair's label is flipped (0: plain DPO; 0.5 would learn nothing)."""
     tau: float = Field(gt=0)
     """IPO's regularisation strength: the target log-ratio margin is 1 / (2 tau) nats per sequence."""
+    rpo_alpha: float = Field(ge=0)
+    """Weight of the chosen response's NLL per token added to each pair's loss (RPO, Pang et al. 2024: 1; TRL's
+    rpo_alpha): holds the chosen response's likelihood up. 0: off."""
     pairs: Literal["prepare", "sampled"]
     """prepare: prepare's data/pairs (the reward model's pairs); sampled: samples_per_prompt completions per train
     prompt from the initial policy, ranked by the reward scorer (data/sampled_pairs, the DPO paper's IMDb setup)."""

@@ -1,7 +1,8 @@
 """Learning from preferences without a reward model, as pure tensor functions: no I/O, no models, only torch.
 
 DPO (Rafailov et al. 2023), its conservative variant cDPO for noisy labels (Mitchell 2023, "A note on DPO with
-noisy preferences"; TRL's ``sigmoid`` loss with ``label_smoothing``), IPO (Azar et al. 2023), the implicit rewards
+noisy preferences"; TRL's ``sigmoid`` loss with ``label_smoothing``), IPO (Azar et al. 2023), RPO's NLL term on the
+chosen response (Pang et al. 2024; TRL's ``rpo_alpha``), the implicit rewards
 and their accuracy and margin (named as TRL's DPOTrainer logs them), best-of-N selection with its analytic KL bound,
 and the ranking of k scored completions per prompt into preference pairs.
 
@@ -57,6 +58,15 @@ def ipo_loss(chosen_logprobs: torch.Tensor, rejected_logprobs: torch.Tensor, ref
     """
     h = logratio_difference(chosen_logprobs, rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs)
     return (h - 1 / (2 * tau)).square()
+
+
+def chosen_nll(chosen_logprobs: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
+    """(B,) -log pi(y_w | x) / |y_w|: the chosen response's negative log-likelihood per token, the term RPO adds to
+    each pair's DPO loss (Pang et al. 2024, "Iterative Reasoning Preference Optimization", with
+    weight 1; TRL's ``rpo_alpha``). DPO's loss sees only the difference of two log-ratios, so it can lower the chosen
+    response's likelihood too, moving mass to responses in neither side of any pair (likelihood displacement); the
+    NLL term holds the chosen one up."""
+    return -chosen_logprobs / chosen_lengths
 
 
 def implicit_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, beta: float) -> torch.Tensor:

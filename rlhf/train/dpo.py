@@ -241,6 +241,9 @@ def pair_losses(policy: PairModel, pairs: PairSet, idx: list[int], config: DpoPa
                                config.label_smoothing)
     else:
         losses = pref.ipo_loss(logprobs[:, 0], logprobs[:, 1], ref[:, 0], ref[:, 1], config.tau)
+    if config.rpo_alpha:
+        lengths = torch.tensor([len(pairs.chosen[i]) for i in idx], device=policy.device)
+        losses = losses + config.rpo_alpha * pref.chosen_nll(logprobs[:, 0], lengths)
     return losses, logprobs
 
 
