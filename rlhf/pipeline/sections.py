@@ -274,7 +274,9 @@ class OptimumParams(Section):
     """N: reference samples per eval prompt in the pool the optimum and best-of-n are estimated from (0: off). The
     estimate holds up to about log N - 1 nats of KL (the optimum stage marks the points beyond)."""
     prompts: int | None = Field(gt=0)
-    """Eval prompts pooled (the first ones); null: all of them."""
+    """Eval prompts pooled (the first ones); null: all of them. Fewer make the pool cheaper, but a point's gain is
+    measured over every eval prompt and the optimum's over these: its share is then off by how much more there is to
+    gain on these prompts than on all."""
 
 
 class Params(Section):
