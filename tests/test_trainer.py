@@ -92,9 +92,12 @@ def test_a_huge_kl_coef_keeps_the_policy_at_the_reference(tiny_gpt2_dir: Path) -
     train(free, 24)
     leashed = make_trainer(tiny_gpt2_dir, init_kl_coef=50.0)
     train(leashed, 24)
-    # measured: free ~18 nats (it collapses onto the rewarded tokens), leashed ~0.4
-    assert exact_kl(free) > 5.0
-    assert exact_kl(leashed) < 1.0
+    # measured: free ~18 nats (it collapses onto the rewarded tokens); leashed 0.45-0.65 in fp32 and bf16 at 2 and
+    # 16 threads, 1.66 in bf16 at 16 threads on a Xeon: how far it wanders depends on the rounding, so the bound
+    # is relative to the free run
+    free_kl, leashed_kl = exact_kl(free), exact_kl(leashed)
+    assert free_kl > 5.0
+    assert leashed_kl < free_kl / 5, (free_kl, leashed_kl)
 
 
 @pytest.mark.slow

@@ -71,6 +71,47 @@ def test_on_cuda_under_bf16_autocast_the_lm_head_runs_in_tf32() -> None:
     torch.testing.assert_close(mixed, full, rtol=0, atol=2e-3 * full.abs().max().item())
 
 
+def head_grads(head: torch.nn.Linear, hidden: torch.Tensor, logits_of) -> tuple[torch.Tensor, ...]:
+    """The logits of ``logits_of(head, hidden)`` and the gradients of a fixed linear function of them: a gradient the
+    logits' values do not change, so what differs is the backward's own arithmetic."""
+    head.zero_grad()
+    hidden = hidden.detach().requires_grad_()
+    logits = logits_of(head, hidden)
+    coef = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).to(logits.device)
+    (logits.float() * coef).sum().backward()
+    return logits, hidden.grad, head.weight.grad
+
+
+def test_the_padded_head_equals_the_module_in_values_and_gradients() -> None:
+    """The GPU path's logic, run on CPU: a 300-word vocabulary padded to 320 changes neither the logits nor the
+    gradients of hidden and weight (the padded rows' are cut), in fp32 and under bf16 autocast."""
+    torch.manual_seed(0)
+    head, hidden = torch.nn.Linear(64, 300, bias=False), torch.randn(2, 7, 64)[:, 1:6]  # a slice, as the callers'
+    padded = head_grads(head, hidden, lambda h, x: precision.head_logits(h, x, align=64))
+    plain = head_grads(head, hidden, lambda h, x: h(x))
+    assert padded[0].shape == (2, 5, 300) and padded[2].shape == (300, 64)
+    for ours, theirs in zip(padded, plain, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        padded = head_grads(head, hidden, lambda h, x: precision.head_logits(h, x, align=64))
+        plain = head_grads(head, hidden, lambda h, x: h(x))
+    assert padded[0].dtype == torch.bfloat16 and padded[2].dtype == torch.float32
+    for ours, theirs in zip(padded, plain, strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 needs a CUDA GPU")
+def test_on_cuda_the_lm_head_s_backward_runs_in_tf32_too() -> None:
+    """The backward runs after lm_head's TF32 block has closed: the padded head carries the setting into it."""
+    lm, hidden = tiny_lm(768).cuda(), torch.randn(4, 16, 768, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        tf32 = head_grads(lm.lm_head, hidden, lambda h, x: lm_head(lm, x))
+    full = head_grads(lm.lm_head, hidden, lambda h, x: h(x.float()))  # ieee in both directions
+    for ours, theirs in zip(tf32[1:], full[1:], strict=True):
+        assert not torch.equal(ours, theirs)  # TF32 rounded the backward's inputs too
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-3 * theirs.abs().max().item())
+
+
 def test_warmup_then_cosine_to_the_floor() -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     schedule = fit.warmup_cosine(optimizer, warmup_steps=4, total_steps=14, floor=0.1)

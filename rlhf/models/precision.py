@@ -1,4 +1,5 @@
-"""Where and in what precision training runs: device choice, bf16 autocast, the LM head's TF32 on CUDA."""
+"""Where and in what precision training runs: device choice, bf16 autocast, the LM head's TF32 on CUDA, and the
+head's matmuls on a vocabulary padded for the GPU's aligned kernels."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
 
 
 def pick_device() -> torch.device:
@@ -73,3 +77,63 @@ def cuda_matmul_precision(precision: str) -> Iterator[None]:
             matmul.fp32_precision = before
         else:
             matmul.allow_tf32 = before
+
+
+VOCAB_ALIGN = 64  # CUDA: the head's vocabulary padded to a multiple of this (nanoGPT pads GPT-2's to 50,304 too)
+
+
+class _PaddedHead(torch.autograd.Function):
+    """``hidden @ weight.T`` with the weight's rows (the vocabulary) zero-padded to a multiple of ``align``, every
+    matmul of forward and backward in the fp32 ``precision`` (None: torch's own setting).
+
+    cuBLAS takes its fast kernels only for 16-byte-aligned rows, which GPT-2's 50,257 logits are not: on an H200 the
+    head fell back to older kernels, the biggest of an SFT step, and its fp32 backward to non-tensor-core ones, as the
+    backward runs after the forward's ``cuda_matmul_precision`` block has ended (BENCHMARKS.md, "On a GPU"). The
+    padded columns are cut from the logits, and their gradient from the weight's.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, precision: str | None,
+                align: int) -> torch.Tensor:
+        vocab = weight.shape[0]
+        padded = F.pad(weight, (0, 0, 0, -vocab % align))
+        # 2-D: a (B, R, H) slice of the body's output would otherwise go to a batched matmul, R rows at a time
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        ctx.save_for_backward(flat, padded)
+        ctx.precision, ctx.vocab, ctx.shape = precision, vocab, hidden.shape
+        with _matmul_precision(precision):
+            logits = flat @ padded.T
+        return logits.view(*hidden.shape[:-1], -1)[..., :vocab]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        flat, padded = ctx.saved_tensors
+        grad = F.pad(grad, (0, padded.shape[0] - ctx.vocab)).reshape(-1, padded.shape[0])
+        grad_hidden = grad_weight = None
+        with _matmul_precision(ctx.precision):
+            if ctx.needs_input_grad[0]:
+                grad_hidden = (grad @ padded).view(ctx.shape)
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad.T @ flat)[: ctx.vocab]
+        return grad_hidden, grad_weight, None, None
+
+
+def _matmul_precision(precision: str | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if precision is None else cuda_matmul_precision(precision)
+
+
+def head_logits(head: nn.Module, hidden: torch.Tensor, precision: str | None = None,
+                align: int | None = None) -> torch.Tensor:
+    """``head(hidden)``: the logits of an LM's output layer, in autocast's dtype where autocast is on.
+
+    On CUDA (or where ``align`` is given) a plain bias-free linear head runs through ``_PaddedHead``: its vocabulary
+    padded to ``align`` (default VOCAB_ALIGN), its fp32 matmuls in ``precision`` in the backward too. Elsewhere it
+    is the module's own call, so the CPU path is unchanged.
+    """
+    device = hidden.device
+    align = align or (VOCAB_ALIGN if device.type == "cuda" else 1)
+    if align == 1 or type(head) is not nn.Linear or head.bias is not None:
+        return head(hidden)
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+    return _PaddedHead.apply(hidden.to(dtype), head.weight.to(dtype), precision, align)

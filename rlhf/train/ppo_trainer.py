@@ -8,6 +8,7 @@ process samples its own batch, gradients are averaged, the KL controller sees th
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -119,7 +120,7 @@ class PPOTrainer:
         with clock("update"):  # 6. ppo epochs over shuffled mini-batches
             update_stats = self.update(rollout, step)
         # 7. adapt the KL coefficient to the mean sequence KL of the batch
-        mean_kl = self.mean_over_processes(rollout.kl.sum(1).mean())
+        mean_kl = self.mean_over_processes(rollout.kl.sum(1).mean()).item()
         kl_coef = self.kl_ctl.value
         self.kl_ctl.update(mean_kl, self.cfg.batch_size)
         stats = self.rollout_stats(rollout, mean_kl, kl_coef) | update_stats
@@ -188,15 +189,12 @@ class PPOTrainer:
                 for mb_start in range(start, start + micro * cfg.gradient_accumulation_steps, micro):
                     mb = order[mb_start: mb_start + micro].to(self.device)
                     loss, mb_stats = self.minibatch_loss(rollout, mb)
-                    self.finite(loss, step, "loss/total", "the PPO loss is NaN/inf", always_stop=True)
                     self.backward(loss / cfg.gradient_accumulation_steps)
                     group.append(mb_stats)
                 stats += group
-                # every process must agree, or their weights would part: skipped only where all processes skipped
-                if self.mean_over_processes(torch.stack([s["policy/skipped"] for s in group]).min()) == 1.0:
-                    self.optimizer.zero_grad(set_to_none=True)
-                else:
-                    grad_norms.append(self.optimizer_step(step))
+                norm = self.optimizer_step(step, group)
+                if norm is not None:
+                    grad_norms.append(norm)
         self.wrapped_policy.eval()
         mean = {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
         mean["policy/ratio_max"] = max(s["val/ratio_max"].item() for s in stats)
@@ -218,20 +216,37 @@ class PPOTrainer:
             stats["val/returns"] = ppo.masked_mean(old.returns, old.masks)
         return loss, stats
 
-    def optimizer_step(self, step: int) -> float:
-        params = self.wrapped_policy.parameters()
+    def optimizer_step(self, step: int, group: list[dict[str, torch.Tensor]]) -> float | None:
+        """Clip and apply the gradients accumulated over ``group``'s mini-batches: their norm, or None where every
+        mini-batch was skipped (no step taken, the gradients dropped).
+
+        Its checks are read from the GPU at once, in one wait: each wait leaves the GPU idle while the host queues
+        the next kernels. A NaN/inf loss stops the run here, after its backward but before any weight moves.
+        """
+        losses = torch.stack([s["loss/total"] for s in group])
+        # every process must agree, or their weights would part: skipped only where all processes skipped
+        skipped = self.mean_over_processes(torch.stack([s["policy/skipped"] for s in group]).min())
+        params = list(self.wrapped_policy.parameters())
         if self.cfg.max_grad_norm is None:  # the norm is still logged, but clipping by inf would rescale every grad
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         elif self.accelerator is not None:
             norm = self.accelerator.clip_grad_norm_(params, self.cfg.max_grad_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
-        if not self.finite(norm, step, "policy/grad_norm", "a gradient is NaN/inf"):
+        finite_loss, all_skipped, norm_value = torch.stack(
+            [torch.isfinite(losses).all().float(), skipped.float(), norm.float()]).tolist()
+        if not finite_loss:
+            self.finite(losses, step, "loss/total", "the PPO loss is NaN/inf", always_stop=True)
+        if all_skipped == 1.0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        if not math.isfinite(norm_value):  # stops, or (ppo.nan_policy skip) drops this step's gradients
+            self.finite(norm, step, "policy/grad_norm", "a gradient is NaN/inf")
             self.optimizer.zero_grad(set_to_none=True)
             return float("nan")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.item()
+        return norm_value
 
     # --- helpers ---------------------------------------------------------------------------------------------------
 
@@ -261,10 +276,10 @@ class PPOTrainer:
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)
 
-    def mean_over_processes(self, x: torch.Tensor) -> float:
+    def mean_over_processes(self, x: torch.Tensor) -> torch.Tensor:
         if self.accelerator is not None:
             x = self.accelerator.reduce(x.detach(), reduction="mean")
-        return x.item()
+        return x
 
     def rollout_stats(self, rollout: Rollout, mean_kl: float, kl_coef: float) -> dict[str, float]:
         """The batch's stats. Those named like TRL 0.11's mean what TRL's mean: ``objective/entropy`` is the mean

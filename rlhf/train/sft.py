@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTraine
 
 from rlhf.models.loading import context_size, fast_activations, load_causal_lm
 from rlhf.models.lora import add_lora
-from rlhf.models.precision import autocast
+from rlhf.models.precision import autocast, head_logits
 from rlhf.pipeline.errors import DataError, ModelError
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.sections import SftParams
@@ -83,7 +83,7 @@ def next_token_loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str = "
     """
     with autocast(batch.device, precision):
         hidden = lm.base_model(input_ids=batch).last_hidden_state[:, :-1]
-        logits = lm.get_output_embeddings()(hidden)  # (B, T - 1, V)
+        logits = head_logits(lm.get_output_embeddings(), hidden)  # (B, T - 1, V)
     return cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
