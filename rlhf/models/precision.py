@@ -86,10 +86,10 @@ class _PaddedHead(torch.autograd.Function):
     """``hidden @ weight.T`` with the weight's rows (the vocabulary) zero-padded to a multiple of ``align``, every
     matmul of forward and backward in the fp32 ``precision`` (None: torch's own setting).
 
-    cuBLAS takes its fast kernels only for 16-byte-aligned rows, which GPT-2's 50,257 logits are not: on an H200 the
-    head fell back to older kernels, the biggest of an SFT step, and its fp32 backward to non-tensor-core ones, as the
-    backward runs after the forward's ``cuda_matmul_precision`` block has ended (BENCHMARKS.md, "On a GPU"). The
-    padded columns are cut from the logits, and their gradient from the weight's.
+    cuBLAS takes its fast kernels only for 16-byte-aligned rows, which GPT-2's 50,257 logits are not (the profile of
+    an H200 showed the head on older, slower kernels); and autograd runs the backward after the caller's
+    ``cuda_matmul_precision`` block has ended, so without this the fp32 backward ran in full fp32, off the tensor
+    cores. The padded columns are cut from the logits, and their gradient from the weight's.
     """
 
     @staticmethod
