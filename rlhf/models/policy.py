@@ -14,7 +14,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.loading import save_pretrained
-from rlhf.models.precision import cuda_matmul_precision, full_precision, head_logits, head_precision
+from rlhf.models.precision import full_precision, head_logits, head_precision
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -105,8 +105,8 @@ def lm_head(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     inputs keep 11 significant bits, 3 more than bf16, and the logits stay fp32 (BENCHMARKS.md, "bf16 tolerance").
     """
     device = hidden.device
-    precision = head_precision(device)
-    with cuda_matmul_precision(precision), full_precision(device):
+    precision = head_precision(device)  # read before full_precision leaves autocast
+    with full_precision(device):
         return head_logits(lm.get_output_embeddings(), hidden.float(), precision)
 
 

@@ -125,15 +125,17 @@ def _matmul_precision(precision: str | None) -> contextlib.AbstractContextManage
 
 def head_logits(head: nn.Module, hidden: torch.Tensor, precision: str | None = None,
                 align: int | None = None) -> torch.Tensor:
-    """``head(hidden)``: the logits of an LM's output layer, in autocast's dtype where autocast is on.
+    """``head(hidden)``: the logits of an LM's output layer, in autocast's dtype where autocast is on, its fp32 CUDA
+    matmuls in ``precision`` (None: torch's own setting).
 
     On CUDA (or where ``align`` is given) a plain bias-free linear head runs through ``_PaddedHead``: its vocabulary
-    padded to ``align`` (default VOCAB_ALIGN), its fp32 matmuls in ``precision`` in the backward too. Elsewhere it
+    padded to ``align`` (default VOCAB_ALIGN), ``precision`` held in its backward too. Elsewhere it
     is the module's own call, so the CPU path is unchanged.
     """
     device = hidden.device
     align = align or (VOCAB_ALIGN if device.type == "cuda" else 1)
     if align == 1 or type(head) is not nn.Linear or head.bias is not None:
-        return head(hidden)
+        with _matmul_precision(precision):
+            return head(hidden)
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
     return _PaddedHead.apply(hidden.to(dtype), head.weight.to(dtype), precision, align)
