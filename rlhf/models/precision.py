@@ -59,10 +59,13 @@ def head_precision(device: torch.device) -> str:
 
 
 @contextlib.contextmanager
-def cuda_matmul_precision(precision: str) -> Iterator[None]:
+def cuda_matmul_precision(precision: str | None) -> Iterator[None]:
     """fp32 CUDA matmuls in ``precision`` ('tf32': inputs rounded to 11 significant bits, fp32 accumulation and output,
     8x the fp32 rate of an H100; 'ieee': fp32) for the block, torch's own setting restored after. A no-op for other
-    devices' matmuls."""
+    devices' matmuls, and for ``precision`` None (torch's own setting)."""
+    if precision is None:
+        yield
+        return
     matmul = torch.backends.cuda.matmul
     new_api = hasattr(matmul, "fp32_precision")  # torch >= 2.9; mixing it with allow_tf32 is an error there
     before = matmul.fp32_precision if new_api else matmul.allow_tf32
@@ -87,7 +90,7 @@ class _PaddedHead(torch.autograd.Function):
     matmul of forward and backward in the fp32 ``precision`` (None: torch's own setting).
 
     cuBLAS takes its fast kernels only for 16-byte-aligned rows, which GPT-2's 50,257 logits are not (the profile of
-    an H200 showed the head on older, slower kernels); and autograd runs the backward after the caller's
+    an H200 showed the head on older, slower kernels); and autograd runs the backward after the forward's
     ``cuda_matmul_precision`` block has ended, so without this the fp32 backward ran in full fp32, off the tensor
     cores. The padded columns are cut from the logits, and their gradient from the weight's.
     """
@@ -101,7 +104,7 @@ class _PaddedHead(torch.autograd.Function):
         flat = hidden.reshape(-1, hidden.shape[-1])
         ctx.save_for_backward(flat, padded)
         ctx.precision, ctx.vocab, ctx.shape = precision, vocab, hidden.shape
-        with _matmul_precision(precision):
+        with cuda_matmul_precision(precision):
             logits = flat @ padded.T
         return logits.view(*hidden.shape[:-1], -1)[..., :vocab]
 
@@ -111,16 +114,12 @@ class _PaddedHead(torch.autograd.Function):
         flat, padded = ctx.saved_tensors
         grad = F.pad(grad, (0, padded.shape[0] - ctx.vocab)).reshape(-1, padded.shape[0])
         grad_hidden = grad_weight = None
-        with _matmul_precision(ctx.precision):
+        with cuda_matmul_precision(ctx.precision):
             if ctx.needs_input_grad[0]:
                 grad_hidden = (grad @ padded).view(ctx.shape)
             if ctx.needs_input_grad[1]:
                 grad_weight = (grad.T @ flat)[: ctx.vocab]
         return grad_hidden, grad_weight, None, None
-
-
-def _matmul_precision(precision: str | None) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext() if precision is None else cuda_matmul_precision(precision)
 
 
 def head_logits(head: nn.Module, hidden: torch.Tensor, precision: str | None = None,
@@ -135,7 +134,7 @@ def head_logits(head: nn.Module, hidden: torch.Tensor, precision: str | None = N
     device = hidden.device
     align = align or (VOCAB_ALIGN if device.type == "cuda" else 1)
     if align == 1 or type(head) is not nn.Linear or head.bias is not None:
-        with _matmul_precision(precision):
+        with cuda_matmul_precision(precision):
             return head(hidden)
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
     return _PaddedHead.apply(hidden.to(dtype), head.weight.to(dtype), precision, align)
