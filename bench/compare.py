@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.configs import add_common_args
+from rlhf.pipeline.cli import MALLOC_KEEP
 
 ROOT = Path(__file__).resolve().parents[1]
 VENVS = ROOT / "bench" / ".venvs"
@@ -57,8 +58,9 @@ def bench_env(peer: bool = True) -> dict[str, str]:
     """The environment of a benchmark run; a peer's (and its pip's) has no PYTHONPATH, which would put this
     interpreter's packages ahead of the venv's own."""
     env = {k: v for k, v in os.environ.items() if not (peer and k == "PYTHONPATH")}
-    return env | {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                  "TRL_EXPERIMENTAL_SILENCE": "1"}
+    return {**{k: str(v) for k, v in MALLOC_KEEP.items()}, **env} | {  # peers: the allocator ours sets itself
+        "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "TRL_EXPERIMENTAL_SILENCE": "1"}
 
 
 def pip(python: Path, *args: str, wheels: Path | None) -> None:

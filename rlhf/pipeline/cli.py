@@ -5,7 +5,9 @@ a stage's ``--help``."""
 from __future__ import annotations
 
 import ast
+import ctypes
 import logging
+import os
 import signal
 import sys
 import textwrap
@@ -23,6 +25,25 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, si
 STOPPED_BY = [signal.SIGINT]  # the signal that stopped the run, for the message and the exit status
 PROGRAM = [False]  # run_stage runs the program (python -m stages.X, a tool), not a test calling a main
 STARTED = time.perf_counter()  # about when the process started: stages/__init__.py imports this module first
+# glibc gives a large freed block back to the OS, so a training step's large tensors are faulted in afresh, page by
+# page, at every step (kernel time, not compute); served from the heap and kept there, they are reused. The variables
+# that set this at start-up, and their value (mallopt takes an int); a user's own setting of either wins.
+MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": 1 << 30, "MALLOC_TRIM_THRESHOLD_": 1 << 30}
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc serve blocks up to 1 GiB from its heap and keep freed memory for reuse (``MALLOC_KEEP``),
+    unless the environment sets either already; False where that is so or the C library has no ``mallopt``."""
+    if any(name in os.environ for name in MALLOC_KEEP):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(M_MMAP_THRESHOLD, MALLOC_KEEP["MALLOC_MMAP_THRESHOLD_"])
+                and mallopt(M_TRIM_THRESHOLD, MALLOC_KEEP["MALLOC_TRIM_THRESHOLD_"]))
 
 
 def stage_help(stage: str, root: Path) -> str:
@@ -118,6 +139,8 @@ def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> Non
               "params in params.yaml or with dvc exp run -S key=value", file=sys.stderr)
         raise SystemExit(2)
     PROGRAM[0] = module.__name__ == "__main__"
+    if PROGRAM[0]:
+        keep_freed_memory()
     stop_signals(raise_interrupt)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
