@@ -27,9 +27,9 @@ PROGRAM = [False]  # run_stage runs the program (python -m stages.X, a tool), no
 STARTED = time.perf_counter()  # about when the process started: stages/__init__.py imports this module first
 # glibc gives a large freed block back to the OS, so a training step's large tensors are faulted in afresh, page by
 # page, at every step (kernel time, not compute); served from the heap and kept there, they are reused. The variables
-# that set this at start-up, and their value (mallopt takes an int); a user's own setting of either wins.
-MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": 1 << 30, "MALLOC_TRIM_THRESHOLD_": 1 << 30}
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+# that set this at start-up -> (glibc's mallopt parameter, the value; mallopt takes an int); a user's own setting of
+# either wins.
+MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": (-3, 1 << 30), "MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30)}
 
 
 def keep_freed_memory() -> bool:
@@ -42,8 +42,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(M_MMAP_THRESHOLD, MALLOC_KEEP["MALLOC_MMAP_THRESHOLD_"])
-                and mallopt(M_TRIM_THRESHOLD, MALLOC_KEEP["MALLOC_TRIM_THRESHOLD_"]))
+    return all([mallopt(param, value) for param, value in MALLOC_KEEP.values()])
 
 
 def stage_help(stage: str, root: Path) -> str:
