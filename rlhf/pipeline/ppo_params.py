@@ -54,7 +54,8 @@ class PpoParams(Section):
     vf_coef: float = Field(ge=0)
     """Weight of the value loss."""
     kl_penalty: Literal["kl", "abs", "mse", "full", "k3"]
-    """Per-token KL estimate in the reward: kl (k1, log-ratio), abs, mse (k2), k3, or full (exact over the vocab)."""
+    """Per-token KL estimate in the reward: kl (k1, log-ratio), abs, mse (k2), k3, or full (exact over the vocab: a
+    function of the prefix, not of the sampled token, so it barely holds the KL; docs/experiments.md)."""
     whiten_rewards: bool
     """Whiten the per-token rewards before GAE."""
     ratio_threshold: float = Field(gt=0)
