@@ -58,7 +58,7 @@ def bench_env(peer: bool = True) -> dict[str, str]:
     """The environment of a benchmark run; a peer's (and its pip's) has no PYTHONPATH, which would put this
     interpreter's packages ahead of the venv's own."""
     env = {k: v for k, v in os.environ.items() if not (peer and k == "PYTHONPATH")}
-    return {**{k: str(v) for k, (_, v) in MALLOC_KEEP.items()}, **env} | {  # peers: the allocator ours sets itself
+    return {k: str(v) for k, (_, v) in MALLOC_KEEP.items()} | env | {  # peers: the allocator ours sets itself
         "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "TRL_EXPERIMENTAL_SILENCE": "1"}
 
