@@ -30,3 +30,14 @@ def test_two_runs_with_the_same_reference_share_its_bins() -> None:
     assert len(shared) == len(a)  # every bin of a is a bin of b, at the same centre
     assert shared["before_a"].tolist() == shared["before_b"].tolist() and shared["before_a"].sum() == 200
     assert np.diff(b["bin"]).tolist() == pytest.approx([np.diff(a["bin"])[0]] * (len(b) - 1), abs=1e-3)
+
+
+def test_every_score_is_counted_whatever_the_edges_round_to() -> None:
+    """The reference's bins, extended at the same width, hold its extreme scores exactly (recomputed as first edge +
+    k x width, the last edge rounded below the largest score, which np.histogram then dropped in many draws)."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        reference = rng.normal(size=6).astype(np.float32).astype(np.float64)
+        for after in (reference, reference * 3 + 1):
+            hist = histogram({"before": reference, "after": after}, x="bin", reference="before")
+            assert hist["before"].sum() == hist["after"].sum() == 6

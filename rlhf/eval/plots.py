@@ -25,5 +25,7 @@ def histogram(scores: dict[str, np.ndarray], x: str, bins: int = BINS, reference
         below = math.ceil((grid[0] - everything.min()) / width - 1e-9)
         above = math.ceil((everything.max() - grid[-1]) / width - 1e-9)
         edges = grid[0] + width * np.arange(-max(below, 0), bins + max(above, 0) + 1)
+        # grid[0] + k * width rounds: np.histogram would drop a score a rounding below the first edge or above the last
+        edges[0], edges[-1] = min(edges[0], everything.min()), max(edges[-1], everything.max())
     return pd.DataFrame({x: np.round((edges[:-1] + edges[1:]) / 2, 4),
                          **{name: np.histogram(values, edges)[0] for name, values in scores.items()}})
