@@ -7,6 +7,9 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -201,3 +204,39 @@ def test_a_removed_checkpoint_vanishes_in_one_step(tmp_path: Path) -> None:
     assert renames[-1] == (first, folder / ".step-000001.removed")
     (folder / ".step-000002.removed").mkdir()  # a kill during a deletion
     assert checkpoint.find(folder, "run-a").step == 3 and not (folder / ".step-000002.removed").exists()
+
+
+STAGE = """
+import sys, time
+from pathlib import Path
+from rlhf.train import checkpoint
+checkpoint.find(Path("checkpoints"), "run")  # as a stage does before its step 0
+Path("ready").touch()
+while not Path("go").exists():
+    time.sleep(0.02)
+print(checkpoint.dvc_gone())
+"""
+
+
+def test_a_dvc_killed_before_the_first_checkpoint_is_still_seen_to_have_exited(tmp_path: Path) -> None:
+    """The dvc that ran the stage is found when the run looks for its checkpoint: looked up only at the first
+    checkpoint, a dvc killed before it was no longer among the re-parented stage's ancestors, and the stage ran on."""
+    fake_dvc = tmp_path / "dvc"  # a script named dvc: how checkpoint._is_dvc knows a dvc process
+    fake_dvc.write_text(f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {STAGE!r}], "
+                        "stdout=open('out', 'w'))\ntime.sleep(600)\n")
+    env = {**os.environ, "DVC_STAGE": "ppo", "PYTHONPATH": str(ROOT)}
+    dvc = subprocess.Popen([sys.executable, str(fake_dvc)], cwd=tmp_path, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists():
+            assert dvc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        dvc.kill()
+        dvc.wait()
+    (tmp_path / "go").touch()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "out").read_text().strip():
+        assert time.monotonic() < deadline, "the stage never answered"
+        time.sleep(0.05)
+    assert (tmp_path / "out").read_text().strip() == str(dvc.pid)

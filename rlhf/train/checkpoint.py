@@ -199,6 +199,7 @@ def find(folder: Path, fingerprint: str, prune: bool = True, required: Iterable[
     """The newest whole checkpoint of this run (``damage``: the keys its loader reads, ``required``, and the run's
     ``steps``), if any. With ``prune`` (the main process), other runs' checkpoints, damaged ones, older ones and
     what killed saves or removals left are removed, one log line each: the run resumes from the newest good one."""
+    _dvc_process()  # now, before step 0: once its dvc has exited, a stage is re-parented and that dvc is not found
     found = None
     for path in reversed(checkpoints(folder)):
         state = read_state(path)
