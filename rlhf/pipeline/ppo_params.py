@@ -57,8 +57,8 @@ class PpoParams(Section):
     """Per-token KL estimate in the reward: kl (k1, log-ratio), abs, mse (k2), k3, or full (exact over the vocab: a
     function of the prefix, not of the sampled token, so it barely holds the KL; docs/experiments.md)."""
     whiten_rewards: bool
-    """Scale the per-token rewards to unit std over the batch, their mean kept (TRL's whiten_rewards), before GAE; on
-    the offline-cpu recipe it brought PPO nearer the optimum (docs/experiments.md)."""
+    """Scale the per-token rewards to unit std over the batch, their mean kept (TRL's whiten_rewards), before GAE; the
+    offline-cpu preset turns it on: PPO then nears the optimum (docs/experiments.md)."""
     ratio_threshold: float = Field(gt=0)
     """Skip a mini-batch whose mean probability ratio exceeds this (its loss counts 0); an optimizer step whose every
     mini-batch is skipped is not taken (policy/skipped_steps)."""
