@@ -207,7 +207,7 @@ def test_a_removed_checkpoint_vanishes_in_one_step(tmp_path: Path) -> None:
 
 
 STAGE = """
-import sys, time
+import time
 from pathlib import Path
 from rlhf.train import checkpoint
 checkpoint.find(Path("checkpoints"), "run")  # as a stage does before its step 0
