@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ppo")
 
 CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
+# a run whose first steps are all skipped (ppo.nan_policy: skip) stops after this many (the param's doc says so): the
+# policy has not changed since step 0, so the batches after them would score NaN/inf as well
+SKIPPED_AT_START = 10
 DISABLED = "method is not ppo: evaluate reads the method's own policy"
 
 STAGE = "ppo"
@@ -194,6 +198,10 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
         for step in bar:
             batch = prompts.take(next(order).tolist())
             result = trainer.step(batch.input_ids, batch.queries, step)
+            if result.skipped and trainer.skipped_batches == step + 1 >= min(SKIPPED_AT_START, cfg.steps):
+                raise TrainingError(f"steps 0-{step} were all skipped (ppo.nan_policy: skip; the reward scorer "
+                                    "returned NaN/inf in every batch, and the policy, never updated, would go on "
+                                    f"doing so): nothing was trained; {previous_outputs()}")
             if not result.skipped:
                 last = result.stats
                 if is_main:
@@ -210,10 +218,15 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                     ckpt.stop_if_dvc_gone(step, accelerator)
     if is_main:
         writer.flush()
-    if trainer.skipped_batches >= cfg.steps:  # a run that trained nothing must not pass for a result
-        raise TrainingError(f"all {cfg.steps} steps were skipped (ppo.nan_policy: skip; the reward scorer returned "
-                            "NaN/inf in every batch): nothing was trained, the previous outputs are kept")
     return last
+
+
+def previous_outputs() -> str:
+    """What became of the stage's previous outputs when it fails: they are kept, but a dvc repro or dvc exp run
+    deleted them before it ran the stage (its cache still holds those it recorded)."""
+    if "DVC_STAGE" in os.environ:
+        return f"dvc deleted the previous outputs before running {STAGE}: dvc checkout {STAGE} brings them back"
+    return "the previous outputs are kept"
 
 
 if __name__ == "__main__":

@@ -448,16 +448,31 @@ def nan_classifier(tiny_classifier_dir: Path, folder: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_a_run_that_skipped_every_batch_fails_and_changes_nothing(
-        stage_project: Callable[[str], Path], tiny_classifier_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("steps", "under_dvc"), [(4, False), (40, False), (40, True)],
+                         ids=["fewer-steps-than-the-limit", "by-hand", "under-dvc"])
+def test_a_run_that_skips_every_batch_stops_early_and_changes_nothing(
+        steps: int, under_dvc: bool, stage_project: Callable[[str], Path], tiny_classifier_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reward that is NaN from step 0 under ppo.nan_policy: skip: the run stops once its first 10 steps (all of
+    them when fewer) are skipped, not after sampling and scoring every step, and its line says what became of the
+    previous outputs: kept, or under dvc, deleted by DVC before the stage ran (``dvc checkout`` brings them back)."""
     project = stage_project("ppo")
     set_params(project, **{"reward.model": str(nan_classifier(tiny_classifier_dir, project / "nan-clf")),
-                           "ppo.nan_policy": "skip"})
+                           "ppo.nan_policy": "skip", "ppo.steps": steps, "ppo.checkpoint_every": 0})
     previous = plant_outputs(project, "ppo")
     monkeypatch.chdir(project)
-    with pytest.raises(TrainingError, match=r"^all 4 steps were skipped \(ppo.nan_policy: skip; .*\): nothing was "
-                                            r"trained, the previous outputs are kept$"):
+    if under_dvc:
+        monkeypatch.setenv("DVC_STAGE", "ppo")
+    steps_taken = []
+    real = PPOTrainer.step
+    monkeypatch.setattr(PPOTrainer, "step", lambda self, *args: steps_taken.append(args[-1]) or real(self, *args))
+    outputs = ("dvc deleted the previous outputs before running ppo: dvc checkout ppo brings them back" if under_dvc
+               else "the previous outputs are kept")
+    with pytest.raises(TrainingError, match=rf"^steps 0-{min(steps, 10) - 1} were all skipped \(ppo.nan_policy: skip; "
+                                            rf"the reward scorer returned NaN/inf in every batch.*\): nothing was "
+                                            rf"trained; {outputs}$"):
         ppo_stage.main()
+    assert steps_taken == list(range(min(steps, 10)))
     assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
 
 
