@@ -216,6 +216,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                 if ckpt is not None and step + 1 < cfg.steps:
                     ckpt.save(step, trainer, order, live.step if is_main else 0, last, accelerator)
                     ckpt.stop_if_dvc_gone(step, accelerator)
+                    ckpt.stop_if_params_changed(step, accelerator)
     if is_main:
         writer.flush()
     return last

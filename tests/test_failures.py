@@ -500,6 +500,33 @@ def test_params_changed_while_a_stage_runs_keep_its_outputs_from_being_replaced(
 
 
 @pytest.mark.slow
+def test_params_changed_while_ppo_runs_stop_it_at_its_next_checkpoint(
+        stage_project: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """params.yaml edited at step 2 of 8: the run stops after its step-3 checkpoint, which it keeps, instead of
+    training all 8 steps with the old value and only then refusing to replace its outputs."""
+    project = stage_project("ppo")
+    set_params(project, **{"ppo.steps": 8})  # a checkpoint every 2 steps
+    previous = plant_outputs(project, "ppo")
+    monkeypatch.chdir(project)
+    real, steps = PPOTrainer.step, []
+
+    def step_then_edit(self: object, *args: object) -> object:
+        steps.append(args[-1])
+        if args[-1] == 2:
+            set_params(project, **{"ppo.learning_rate": 2e-5})
+        return real(self, *args)
+
+    monkeypatch.setattr(PPOTrainer, "step", step_then_edit)
+    with pytest.raises(PipelineError, match=r"^params.yaml changed while ppo ran \(ppo.learning_rate: 1\.41e-05 -> "
+                                            r"2e-05\): stopped after step 3, .*; checkpoint "
+                                            r"data/checkpoints/ppo/step-000003 kept: restore the params and rerun"):
+        ppo_stage.main()
+    assert steps == [0, 1, 2, 3]
+    assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
+    assert [p.name for p in (project / "data/checkpoints/ppo").glob("step-*")] == ["step-000003"]
+
+
+@pytest.mark.slow
 def test_a_stop_signal_once_the_outputs_go_in_lets_the_run_finish(stage_project: Callable[[str], Path],
                                                                   tmp_path: Path) -> None:
     """SIGTERM while a finished ppo removes its checkpoint (its outputs moved in) exited 143 saying nothing was

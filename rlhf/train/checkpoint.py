@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.io import REMOVED, atomic_path, check_writable, discard, remove, require_free_space
-from rlhf.pipeline.params import Params, expand, stage_values
+from rlhf.pipeline.params import Params, changed_since_read, expand, stage_values
 from rlhf.pipeline.paths import CHECKPOINT_PREFIX, checkpoint_dir, checkpoints
 from rlhf.pipeline.wiring import wiring
 
@@ -321,3 +321,25 @@ def stop_if_dvc_gone(stage: str, step: int, pid: int | None) -> None:
         raise PipelineError(f"stopped after step {step}: the dvc process that ran {stage} (pid {pid}) has exited, so "
                             f"it would never record this run; checkpoint {kept[-1] if kept else 'none'} kept: rerun "
                             "(dvc repro) to resume")
+
+
+# --- params.yaml changed under a running stage -----------------------------------------------------------------------
+# The commit refuses outputs made with params other than those params.yaml now holds (DVC would record them together):
+# a stage checks at each checkpoint too, and stops there rather than train on to a result it would refuse.
+
+
+def params_changed(stage: str) -> str | None:
+    """What changed in params.yaml among the keys ``stage`` read ("ppo.learning_rate: 1e-05 -> 2e-05"), or None
+    (``params.changed_since_read``)."""
+    return changed_since_read(stage)
+
+
+def stop_if_params_changed(stage: str, step: int, change: str | None) -> None:
+    """Right after a checkpoint of ``stage``: with ``change`` (``params_changed()``, agreed by every process), stop,
+    keeping the checkpoint."""
+    if change is not None:
+        kept = checkpoints(checkpoint_dir(stage))
+        raise PipelineError(f"params.yaml changed while {stage} ran ({change}): stopped after step {step}, as its "
+                            "outputs would be recorded with the new values; checkpoint "
+                            f"{kept[-1] if kept else 'none'} kept: restore the params and rerun to resume (run "
+                            "experiments one at a time, or queue them: dvc exp run --queue)")
