@@ -191,6 +191,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
     # only the main process writes curves: another process's Live would read them while they are being written
     live = open_curves(outputs[PPO_CURVES], resume=found is not None) if is_main else None
     step = first  # the step a Ctrl-C names
+    said_empty = False  # every response of a batch empty is said once: it would repeat at every step
     with live or contextlib.nullcontext(), interrupted_at(lambda: step):
         if live is not None and found is not None:
             live.step = found.state["live_step"]
@@ -204,6 +205,12 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                                     f"doing so): nothing was trained; {previous_outputs()}")
             if not result.skipped:
                 last = result.stats
+                if is_main and not said_empty and not any(text.strip() for text in result.rollout.responses):
+                    with tqdm.external_write_mode():  # on a line of its own, not after the progress bar
+                        log.warning("ppo: step %d: every response is empty (the policy answers EOS at once, or "
+                                    "tokens that decode to nothing): the reward scores the prompts alone (said once)",
+                                    step)
+                    said_empty = True
                 if is_main:
                     writer.add(rollout_rows(step, result.rollout, last["objective/kl_coef"]))
                     for key, value in last.items():
