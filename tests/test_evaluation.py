@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 
 import numpy as np
 import pandas as pd
@@ -157,3 +158,25 @@ def test_markdown_report_tables() -> None:
     assert len(example_rows) == 3
     assert example_rows[0].startswith("| q0 | a \\| b | line break |")
     assert all(line.count(" | ") == 4 for line in example_rows)
+
+
+def test_control_characters_of_responses_are_shown_escaped_in_the_report() -> None:
+    """A response's terminal escapes, NUL, bidi override or line separator went raw into report.md: colouring a
+    terminal that prints it, reordering or breaking its table. Each shows as its escape (a separator as a space)."""
+    n = 2
+    scores = {"policy": run_scores(n, 0), "reference": run_scores(n, 1)}
+    stats = {"policy": {"kl": np.ones(n), "kl_full": np.ones(n), "ref_nll": np.ones(n), "n_tokens": np.ones(n)},
+             "reference": {"ref_nll": np.ones(n), "n_tokens": np.ones(n)}}
+    metrics = eval_metrics(scores, stats, {"policy": [[1, 2]], "reference": [[1, 1]]})
+    samples = pd.DataFrame({
+        "query": ["q0", "q1"], "response_before": ["\x1b[31mred\x1b[0m and a\x00b", "tab\there | \\ pipe"],
+        "response_after": ["\u202eevil\u202c text", "line\u2028sep\x85next\x7f"],
+        "reward_before": scores["reference"][REWARD], "reward_after": scores["policy"][REWARD]})
+
+    report = markdown_report(samples, metrics, [REWARD], examples=2, context="ctx", after="PPO policy")
+
+    assert not [c for c in report if c != "\n" and (unicodedata.category(c) == "Cc" or c in "\u202e\u202c\u2028")]
+    rows = [line for line in report.splitlines() if line.startswith(("| q0 ", "| q1 "))]
+    assert rows[0].startswith("| q0 | \\\\x1b[31mred\\\\x1b[0m and a\\\\x00b | \\\\u202eevil\\\\u202c text | ")
+    assert rows[1].startswith("| q1 | tab here \\| \\\\ pipe | line sep next\\\\x7f | ")
+    assert all(line.count(" | ") == 4 for line in rows)
