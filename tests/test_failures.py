@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -130,6 +131,41 @@ def test_a_model_whose_weights_do_not_cover_it_or_made_for_another_task_is_refus
     with pytest.raises(ModelError, match=rf"^model.policy: {re.escape(str(tiny_classifier_dir))}: a "
                                          r"GPT2ForSequenceClassification, not a causal LM$"):
         load_causal_lm(str(tiny_classifier_dir), defaults().model)
+
+
+@contextlib.contextmanager
+def transformers_log() -> Iterator[list[str]]:
+    """What transformers logs inside the block (its own logger, which does not propagate to pytest's)."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_refused_model_load_is_our_line_alone(tiny_gpt2_dir: Path, tmp_path: Path) -> None:
+    """transformers printed its multi-line load report (a table of the missing or mismatched tensors) before our
+    line, which names the culprit again; a checkpoint whose tensors do not fit its config.json was its report and
+    then a traceback ("For details look at the above report!")."""
+    lacking = shutil.copytree(tiny_gpt2_dir, tmp_path / "lacking")
+    tensors = load_file(lacking / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "h.1.mlp.c_fc" not in k}, lacking / "model.safetensors",
+              metadata={"format": "pt"})
+    mismatched = shutil.copytree(tiny_gpt2_dir, tmp_path / "mismatched")
+    config = json.loads((mismatched / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps(config | {"n_inner": 2 * config["n_embd"]}))
+    with transformers_log() as said:
+        with pytest.raises(ModelError, match=r": its weights lack 2 of the model's tensors"):
+            load_causal_lm(str(lacking), defaults().model)
+        with pytest.raises(ModelError, match=rf"^model.policy: {re.escape(str(mismatched))}: its weights do not fit "
+                                             r"its config: transformer.h.0.mlp.c_fc.bias is \(128,\) in the weights, "
+                                             r"\(64,\) in the model \(6 such tensors\)"):
+            load_causal_lm(str(mismatched), defaults().model)
+    assert not [line for line in said if "LOAD REPORT" in line], said
 
 
 def test_a_half_precision_checkpoint_loads_in_fp32(tiny_gpt2_dir: Path, tiny_classifier_dir: Path,
