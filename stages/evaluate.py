@@ -23,7 +23,7 @@ import pyarrow as pa
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.prompts import check_prompts, read_prompts
-from rlhf.eval.evaluation import evaluate_policy, markdown_report
+from rlhf.eval.evaluation import SIDES, evaluate_policy, markdown_report
 from rlhf.eval.plots import histogram
 from rlhf.models.loading import check_vocab_match, load_causal_lm, load_initial_policy
 from rlhf.models.precision import pick_device
@@ -88,6 +88,10 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
                   f"the reference model ({what})")
 
     metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts, params)
+    for run, side in SIDES.items():
+        if f"response_{side}" in samples and (samples[f"response_{side}"].str.strip() == "").all():
+            log.warning("evaluate: every response of the %s run (%s) is empty (it answers EOS at once, or tokens "
+                        "that decode to nothing): its scores are the prompts' alone", run, side)
 
     write_parquet(pa.Table.from_pandas(samples, preserve_index=False), outputs[EVAL_SAMPLES])
     scores = {"before": samples["reward_before"].to_numpy(), "after": samples["reward_after"].to_numpy()}

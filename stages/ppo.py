@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ppo")
 
 CHUNK_STEPS = 10  # rollout steps per Parquet file when checkpointing is off
+# a run whose first steps are all skipped (ppo.nan_policy: skip) stops after this many (the param's doc says so): the
+# policy has not changed since step 0, so the batches after them would score NaN/inf as well
+SKIPPED_AT_START = 10
 DISABLED = "method is not ppo: evaluate reads the method's own policy"
 
 STAGE = "ppo"
@@ -187,6 +191,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
     # only the main process writes curves: another process's Live would read them while they are being written
     live = open_curves(outputs[PPO_CURVES], resume=found is not None) if is_main else None
     step = first  # the step a Ctrl-C names
+    said_empty = False  # every response of a batch empty is said once: it would repeat at every step
     with live or contextlib.nullcontext(), interrupted_at(lambda: step):
         if live is not None and found is not None:
             live.step = found.state["live_step"]
@@ -194,8 +199,18 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
         for step in bar:
             batch = prompts.take(next(order).tolist())
             result = trainer.step(batch.input_ids, batch.queries, step)
+            if result.skipped and trainer.skipped_batches == step + 1 >= min(SKIPPED_AT_START, cfg.steps):
+                raise TrainingError(f"steps 0-{step} were all skipped (ppo.nan_policy: skip; the reward scorer "
+                                    "returned NaN/inf in every batch, and the policy, never updated, would go on "
+                                    f"doing so): nothing was trained; {previous_outputs()}")
             if not result.skipped:
                 last = result.stats
+                if is_main and not said_empty and not any(text.strip() for text in result.rollout.responses):
+                    with tqdm.external_write_mode():  # on a line of its own, not after the progress bar
+                        log.warning("ppo: step %d: every response is empty (the policy answers EOS at once, or "
+                                    "tokens that decode to nothing): the reward scores the prompts alone (said once)",
+                                    step)
+                    said_empty = True
                 if is_main:
                     writer.add(rollout_rows(step, result.rollout, last["objective/kl_coef"]))
                     for key, value in last.items():
@@ -208,12 +223,18 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                 if ckpt is not None and step + 1 < cfg.steps:
                     ckpt.save(step, trainer, order, live.step if is_main else 0, last, accelerator)
                     ckpt.stop_if_dvc_gone(step, accelerator)
+                    ckpt.stop_if_params_changed(step, accelerator)
     if is_main:
         writer.flush()
-    if trainer.skipped_batches >= cfg.steps:  # a run that trained nothing must not pass for a result
-        raise TrainingError(f"all {cfg.steps} steps were skipped (ppo.nan_policy: skip; the reward scorer returned "
-                            "NaN/inf in every batch): nothing was trained, the previous outputs are kept")
     return last
+
+
+def previous_outputs() -> str:
+    """What became of the stage's previous outputs when it fails: they are kept, but a dvc repro or dvc exp run
+    deleted them before it ran the stage (its cache still holds those it recorded)."""
+    if "DVC_STAGE" in os.environ:
+        return f"dvc deleted the previous outputs before running {STAGE}: dvc checkout {STAGE} brings them back"
+    return "the previous outputs are kept"
 
 
 if __name__ == "__main__":

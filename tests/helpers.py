@@ -88,6 +88,22 @@ def signal_pairs(n: int, seed: int) -> pd.DataFrame:
                          "chosen_rating": 8, "rejected_rating": 2})
 
 
+def eos_only_gpt2(source: Path, path: Path) -> Path:
+    """A copy of the tiny GPT-2 ``source`` that answers EOS at once, always: its last layer norm outputs a constant
+    along EOS's embedding (tied to the LM head), scaled so that EOS's logit leads the others by tens of nats."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lm = AutoModelForCausalLM.from_pretrained(source)
+    eos = lm.config.eos_token_id
+    with torch.no_grad():
+        direction = lm.transformer.wte.weight[eos]
+        lm.transformer.ln_f.weight.zero_()
+        lm.transformer.ln_f.bias.copy_(direction * 100 / direction.square().sum())
+    lm.save_pretrained(path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    return path
+
+
 # --- PPOTrainer on a tiny GPT-2 with a synthetic reward ----------------------------------------------------------
 
 QUERIES = ["The movie was", "I think", "This film", "A story of", "The actor", "What a", "It was a", "My favourite"]

@@ -157,6 +157,20 @@ def stray_file(path: Path) -> None:
     path.write_text("not a checkpoint\n")
 
 
+def overwrite(file: Path, at: int, n: int = 64) -> None:
+    """Flip ``n`` bytes of ``file`` from offset ``at`` (negative: from its end); its size stays."""
+    data = bytearray(file.read_bytes())
+    start = at % len(data)
+    data[start:start + n] = bytes(b ^ 0xFF for b in data[start:start + n])
+    file.write_bytes(bytes(data))
+
+
+def same_size_copy(path: Path) -> None:
+    """The issue's damage: 64 bytes in the middle of a rollout chunk's copy, its size kept."""
+    copy = path / checkpoint.FILES_DIR / "rollouts/steps-0.parquet"
+    overwrite(copy, copy.stat().st_size // 2)
+
+
 DAMAGES = {
     "weights-truncated": lambda path: os.truncate(path / checkpoint.WEIGHTS_FILE, 40),
     "optimizer-truncated": lambda path: os.truncate(path / checkpoint.OPTIMIZER_FILE, 100),
@@ -164,6 +178,10 @@ DAMAGES = {
     "half-deleted": half_deleted,
     "copies-gone": lambda path: shutil.rmtree(path / checkpoint.FILES_DIR),
     "copy-truncated": lambda path: os.truncate(path / checkpoint.FILES_DIR / "rollouts/steps-0.parquet", 10),
+    "copy-overwritten": same_size_copy,
+    "weights-overwritten": lambda path: overwrite(path / checkpoint.WEIGHTS_FILE, -8, 8),  # a tensor's bytes
+    "optimizer-overwritten": lambda path: overwrite(path / checkpoint.OPTIMIZER_FILE, -200, 8),
+    "manifest-edited": lambda path: edit_state(path, lambda state: state.update(manifest=[])),
     "step-past-the-end": lambda path: edit_state(path, lambda state: state.update(step=99)),
     "a-stray-file": stray_file,
 }
@@ -189,6 +207,21 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_newest_whole_one_used(damage:
     assert found is not None and found.path == older
     assert f"removing {newest} (" in caplog.text and not os.path.lexists(newest)
     assert sorted(p.name for p in folder.iterdir()) == ["step-000001"]  # nothing half removed left behind
+
+
+def test_a_resume_restores_the_files_saved_and_nothing_else(tmp_path: Path) -> None:
+    """What ``find`` checked is what goes back into the staging: a file put beside the copies since is left out."""
+    staged = tmp_path / "staged"
+    (staged / "curves/plots").mkdir(parents=True)
+    (staged / "curves/plots/reward.tsv").write_text("step\treward\n0\t1.5\n")
+    path = checkpoint.save(tmp_path / "ppo", 0, torch.nn.Linear(2, 2), {}, {"fingerprint": "run-a"},
+                           {"curves": staged / "curves", "rollouts": staged / "rollouts"})
+    (path / checkpoint.FILES_DIR / "curves/plots/stray.tsv").write_text("not saved\n")
+    shutil.rmtree(staged)
+    checkpoint.restore_files(checkpoint.find(tmp_path / "ppo", "run-a"),
+                             {"curves": staged / "curves", "rollouts": staged / "rollouts"})
+    assert [p.relative_to(staged).as_posix() for p in sorted(staged.rglob("*"))] == [
+        "curves", "curves/plots", "curves/plots/reward.tsv"]
 
 
 def test_a_removed_checkpoint_vanishes_in_one_step(tmp_path: Path) -> None:

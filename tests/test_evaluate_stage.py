@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import NEUTRAL_WORDS, POSITIVE_WORDS, ROOT, build_tiny_gpt2, set_params
+from helpers import eos_only_gpt2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.models.rollout import response_lengths
@@ -100,6 +101,18 @@ def test_a_changed_policy_has_positive_kl_and_greedy_runs_decode_greedily(
         query_length = len(prompts["input_ids"][i])
         expected = tokenizer.decode(out[0, query_length:], skip_special_tokens=True)
         assert samples["response_after_greedy"][i] == expected, i
+
+
+def test_a_policy_whose_every_response_is_empty_is_said_once(stage_dir: Path, tiny_gpt2_dir: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A policy that answers EOS at once: every response empty, which evaluate said nothing of."""
+    shutil.rmtree(POLICY_DIR)
+    eos_only_gpt2(tiny_gpt2_dir, POLICY_DIR)
+    caplog.set_level("INFO")
+    main()
+    assert (pd.read_parquet(EVAL_SAMPLES)["response_after"] == "").all()
+    said = [r.message for r in caplog.records if "every response" in r.message]
+    assert len(said) == 1 and said[0].startswith("evaluate: every response of the policy run (after) is empty"), said
 
 
 def outputs_untouched() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 
 import numpy as np
 import pandas as pd
@@ -136,18 +137,22 @@ def test_eval_metrics_keys_are_flat_and_stable() -> None:
     assert metrics["fluency.reference_ref_perplexity"] == 1.0
 
 
-def test_markdown_report_tables() -> None:
-    n = 5
+def report_of(before: list[str], after: list[str], examples: int) -> tuple[str, dict[str, float]]:
+    """The report (and metrics) of prompts q0, q1, ... answered ``before`` and ``after``, with random scores."""
+    n = len(before)
     scores = {"policy": run_scores(n, 0), "reference": run_scores(n, 1)}
     stats = {"policy": {"kl": np.ones(n), "kl_full": np.ones(n), "ref_nll": np.ones(n), "n_tokens": np.ones(n)},
              "reference": {"ref_nll": np.ones(n), "n_tokens": np.ones(n)}}
     metrics = eval_metrics(scores, stats, {"policy": [[1, 2]], "reference": [[1, 1]]})
     samples = pd.DataFrame({
-        "query": [f"q{i}" for i in range(n)], "response_before": ["a | b"] + ["x"] * (n - 1),
-        "response_after": ["line\nbreak"] + ["y"] * (n - 1),
+        "query": [f"q{i}" for i in range(n)], "response_before": before, "response_after": after,
         "reward_before": scores["reference"][REWARD], "reward_after": scores["policy"][REWARD]})
+    return markdown_report(samples, metrics, [REWARD, "vader"], examples=examples, context="ctx",
+                           after="PPO policy"), metrics
 
-    report = markdown_report(samples, metrics, [REWARD, "vader"], examples=3, context="ctx", after="PPO policy")
+
+def test_markdown_report_tables() -> None:
+    report, metrics = report_of(["a | b"] + ["x"] * 4, ["line\nbreak"] + ["y"] * 4, examples=3)
 
     summary = next(line for line in report.splitlines() if line.startswith("| reward |"))
     assert f"{metrics['reward.policy_mean']:.3f}" in summary
@@ -157,3 +162,16 @@ def test_markdown_report_tables() -> None:
     assert len(example_rows) == 3
     assert example_rows[0].startswith("| q0 | a \\| b | line break |")
     assert all(line.count(" | ") == 4 for line in example_rows)
+
+
+def test_control_characters_of_responses_are_shown_escaped_in_the_report() -> None:
+    """A response's terminal escapes, NUL, bidi override or line separator went raw into report.md: colouring a
+    terminal that prints it, reordering or breaking its table. Each shows as its escape (a separator as a space)."""
+    report, _ = report_of(["\x1b[31mred\x1b[0m and a\x00b", "tab\there | \\ pipe"],
+                          ["\u202eevil\u202c text", "line\u2028sep\x85next\x7f"], examples=2)
+
+    assert not [c for c in report if c != "\n" and (unicodedata.category(c) == "Cc" or c in "\u202e\u202c\u2028")]
+    rows = [line for line in report.splitlines() if line.startswith(("| q0 ", "| q1 "))]
+    assert rows[0].startswith("| q0 | \\\\x1b[31mred\\\\x1b[0m and a\\\\x00b | \\\\u202eevil\\\\u202c text | ")
+    assert rows[1].startswith("| q1 | tab here \\| \\\\ pipe | line sep next\\\\x7f | ")
+    assert all(line.count(" | ") == 4 for line in rows)

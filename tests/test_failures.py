@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -130,6 +131,41 @@ def test_a_model_whose_weights_do_not_cover_it_or_made_for_another_task_is_refus
     with pytest.raises(ModelError, match=rf"^model.policy: {re.escape(str(tiny_classifier_dir))}: a "
                                          r"GPT2ForSequenceClassification, not a causal LM$"):
         load_causal_lm(str(tiny_classifier_dir), defaults().model)
+
+
+@contextlib.contextmanager
+def transformers_log() -> Iterator[list[str]]:
+    """What transformers logs inside the block (its own logger, which does not propagate to pytest's)."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_refused_model_load_is_our_line_alone(tiny_gpt2_dir: Path, tmp_path: Path) -> None:
+    """transformers printed its multi-line load report (a table of the missing or mismatched tensors) before our
+    line, which names the culprit again; a checkpoint whose tensors do not fit its config.json was its report and
+    then a traceback ("For details look at the above report!")."""
+    lacking = shutil.copytree(tiny_gpt2_dir, tmp_path / "lacking")
+    tensors = load_file(lacking / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "h.1.mlp.c_fc" not in k}, lacking / "model.safetensors",
+              metadata={"format": "pt"})
+    mismatched = shutil.copytree(tiny_gpt2_dir, tmp_path / "mismatched")
+    config = json.loads((mismatched / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps(config | {"n_inner": 2 * config["n_embd"]}))
+    with transformers_log() as said:
+        with pytest.raises(ModelError, match=r": its weights lack 2 of the model's tensors"):
+            load_causal_lm(str(lacking), defaults().model)
+        with pytest.raises(ModelError, match=rf"^model.policy: {re.escape(str(mismatched))}: its weights do not fit "
+                                             r"its config: transformer.h.0.mlp.c_fc.bias is \(128,\) in the weights, "
+                                             r"\(64,\) in the model \(6 such tensors\)"):
+            load_causal_lm(str(mismatched), defaults().model)
+    assert not [line for line in said if "LOAD REPORT" in line], said
 
 
 def test_a_half_precision_checkpoint_loads_in_fp32(tiny_gpt2_dir: Path, tiny_classifier_dir: Path,
@@ -448,16 +484,31 @@ def nan_classifier(tiny_classifier_dir: Path, folder: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_a_run_that_skipped_every_batch_fails_and_changes_nothing(
-        stage_project: Callable[[str], Path], tiny_classifier_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("steps", "under_dvc"), [(4, False), (40, False), (40, True)],
+                         ids=["fewer-steps-than-the-limit", "by-hand", "under-dvc"])
+def test_a_run_that_skips_every_batch_stops_early_and_changes_nothing(
+        steps: int, under_dvc: bool, stage_project: Callable[[str], Path], tiny_classifier_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reward that is NaN from step 0 under ppo.nan_policy: skip: the run stops once its first 10 steps (all of
+    them when fewer) are skipped, not after sampling and scoring every step, and its line says what became of the
+    previous outputs: kept, or under dvc, deleted by DVC before the stage ran (``dvc checkout`` brings them back)."""
     project = stage_project("ppo")
     set_params(project, **{"reward.model": str(nan_classifier(tiny_classifier_dir, project / "nan-clf")),
-                           "ppo.nan_policy": "skip"})
+                           "ppo.nan_policy": "skip", "ppo.steps": steps, "ppo.checkpoint_every": 0})
     previous = plant_outputs(project, "ppo")
     monkeypatch.chdir(project)
-    with pytest.raises(TrainingError, match=r"^all 4 steps were skipped \(ppo.nan_policy: skip; .*\): nothing was "
-                                            r"trained, the previous outputs are kept$"):
+    if under_dvc:
+        monkeypatch.setenv("DVC_STAGE", "ppo")
+    steps_taken = []
+    real = PPOTrainer.step
+    monkeypatch.setattr(PPOTrainer, "step", lambda self, *args: steps_taken.append(args[-1]) or real(self, *args))
+    outputs = ("dvc deleted the previous outputs before running ppo: dvc checkout ppo brings them back" if under_dvc
+               else "the previous outputs are kept")
+    with pytest.raises(TrainingError, match=rf"^steps 0-{min(steps, 10) - 1} were all skipped \(ppo.nan_policy: skip; "
+                                            rf"the reward scorer returned NaN/inf in every batch.*\): nothing was "
+                                            rf"trained; {outputs}$"):
         ppo_stage.main()
+    assert steps_taken == list(range(min(steps, 10)))
     assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
 
 
@@ -482,6 +533,33 @@ def test_params_changed_while_a_stage_runs_keep_its_outputs_from_being_replaced(
         ppo_stage.main()
     assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
     assert list((project / "data/checkpoints/ppo").glob("step-*"))
+
+
+@pytest.mark.slow
+def test_params_changed_while_ppo_runs_stop_it_at_its_next_checkpoint(
+        stage_project: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """params.yaml edited at step 2 of 8: the run stops after its step-3 checkpoint, which it keeps, instead of
+    training all 8 steps with the old value and only then refusing to replace its outputs."""
+    project = stage_project("ppo")
+    set_params(project, **{"ppo.steps": 8})  # a checkpoint every 2 steps
+    previous = plant_outputs(project, "ppo")
+    monkeypatch.chdir(project)
+    real, steps = PPOTrainer.step, []
+
+    def step_then_edit(self: object, *args: object) -> object:
+        steps.append(args[-1])
+        if args[-1] == 2:
+            set_params(project, **{"ppo.learning_rate": 2e-5})
+        return real(self, *args)
+
+    monkeypatch.setattr(PPOTrainer, "step", step_then_edit)
+    with pytest.raises(PipelineError, match=r"^params.yaml changed while ppo ran \(ppo.learning_rate: 1\.41e-05 -> "
+                                            r"2e-05\): stopped after step 3, .*; checkpoint "
+                                            r"data/checkpoints/ppo/step-000003 kept: restore the params and rerun"):
+        ppo_stage.main()
+    assert steps == [0, 1, 2, 3]
+    assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
+    assert [p.name for p in (project / "data/checkpoints/ppo").glob("step-*")] == ["step-000003"]
 
 
 @pytest.mark.slow

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, set_params
 
-from rlhf.pipeline.errors import TrainingError
+from rlhf.pipeline.errors import PipelineError, TrainingError
+from rlhf.pipeline.params import load_params
 from rlhf.train.batches import RandomBatches, ShuffledBatches
 from rlhf.train.fit import FitPlan, fit
 
@@ -86,3 +88,26 @@ def test_a_nan_loss_stops_naming_the_learning_rate(tmp_path: Path, monkeypatch: 
     plan = FitPlan("reward", steps=3, learning_rate=0.1, warmup_steps=0, max_grad_norm=1.0)
     with pytest.raises(TrainingError, match=r"^step 0: reward loss is NaN/inf \(lower reward.learning_rate\)$"):
         fit(net, net.parameters(), regression(net), RandomBatches(64, 8, torch.Generator()), plan)
+
+
+def test_params_changed_mid_run_stop_it_at_the_next_checkpoint(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """params.yaml edited while sft (or reward, dpo) trains: the run stops after its next checkpoint, in one line,
+    keeping it, instead of training every step with the old values and only then refusing to replace its outputs."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("params.yaml", "dvc.yaml"):
+        shutil.copy(ROOT / name, name)
+    load_params("sft")  # as the stage does: the values it read are remembered
+    net, steps = model(), []
+
+    def edit_at_step_5(step: int) -> None:
+        steps.append(step)
+        if step == 5:
+            set_params(tmp_path, **{"sft.learning_rate": 0.125})
+
+    with pytest.raises(PipelineError, match=r"^params.yaml changed while sft ran \(sft.learning_rate: [^)]* -> "
+                                            r"0.125\): stopped after step 7, .*; checkpoint "
+                                            r"data/checkpoints/sft/step-000007 kept: restore the params and rerun"):
+        fit(net, net.parameters(), regression(net), RandomBatches(64, 8, torch.Generator().manual_seed(2)), PLAN,
+            after_step=edit_at_step_5)
+    assert steps == list(range(8)) and [p.name for p in Path("data/checkpoints/sft").iterdir()] == ["step-000007"]

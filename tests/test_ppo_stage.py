@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT, build_tiny_gpt2, error_line, set_params, write_prompts
-from helpers import run
+from helpers import eos_only_gpt2, run
 from transformers import AutoModelForCausalLM
 
 ESTIMATORS = {  # TINY's batch_size 4: 2 prompts x 2 samples for the group estimators
@@ -54,6 +54,17 @@ def test_outputs(ppo_project: Path, estimator: str) -> None:
     assert (ignored in result.stderr) != critic
     summary = json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]
     assert summary["trained"] and summary["processes"] == 1
+
+
+@pytest.mark.slow
+def test_a_policy_whose_every_response_is_empty_is_said_once(ppo_project: Path, tiny_gpt2_dir: Path) -> None:
+    """A policy that answers EOS at once: every response empty at every step, which ppo said nothing of."""
+    set_params(ppo_project, **{"model.policy": str(eos_only_gpt2(tiny_gpt2_dir, ppo_project / "eos-only"))})
+    result = run(ppo_project)
+    assert result.returncode == 0, result.stderr
+    assert (pd.read_parquet(ppo_project / "data/rollouts")["response"] == "").all()
+    said = [line for line in result.stderr.splitlines() if "every response" in line]
+    assert len(said) == 1 and said[0].startswith("ppo: step 0: every response is empty"), said
 
 
 @pytest.mark.slow

@@ -130,6 +130,27 @@ def test_a_bad_preset_copies_no_input(tmp_path: Path, imdb_dir: Path) -> None:
     assert not (tmp_path / "data").exists()
 
 
+def test_a_source_that_cannot_be_read_is_named_before_anything_is_copied(tmp_path: Path, imdb_dir: Path,
+                                                                         tokenizer_dir: Path) -> None:
+    """A tokenizer folder that cannot be loaded was copied into data/raw/ and dvc exp run started; the broken copy
+    left there made the next attempt refuse a good --tokenizer. Now each source is read first (dry run or not)."""
+    (tmp_path / "presets").mkdir()
+    shutil.copy(ROOT / "presets" / "offline-cpu.yaml", tmp_path / "presets")
+    shutil.copy(ROOT / "params.yaml", tmp_path)
+    broken = shutil.copytree(tokenizer_dir, tmp_path / "broken-tokenizer")
+    os.truncate(broken / "tokenizer.json", 100)
+    for args in ((), ("--dry-run",)):
+        result = run_recipe(tmp_path, "offline-cpu", "--imdb", str(imdb_dir), "--tokenizer", str(broken), *args)
+        line = error_line(result, "--tokenizer", f"cannot load a tokenizer from '{broken}'")
+        assert line.endswith("(nothing was copied to data/raw/gpt2-tokenizer)") and "Traceback" not in result.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["broken-tokenizer", "params.yaml", "presets"]
+    empty = tmp_path / "no-imdb"
+    empty.mkdir()
+    result = run_recipe(tmp_path, "offline-cpu", "--imdb", str(empty), "--tokenizer", str(tokenizer_dir))
+    error_line(result, "--imdb", f"{empty}: no train.parquet")
+    assert not (tmp_path / "data").exists()
+
+
 def test_a_local_input_given_is_copied_or_refused_never_ignored(tmp_path: Path, imdb_dir: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """--imdb X when data/raw/imdb already exists was ignored (the run read the old copy); a file given where a

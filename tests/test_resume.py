@@ -319,18 +319,25 @@ STEP = r"ppo_trainer\.py:PPOTrainer\.step$"  # one call per PPO step
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["weights", "copies"])
+@pytest.mark.parametrize("damage", ["weights", "copies", "copy-content"])
 def test_a_damaged_checkpoint_is_set_aside_and_the_rerun_completes_whole(damage: str, ppo_project: Path) -> None:
     """Stopped after its step-3 checkpoint, whose weights are then truncated (or whose copies of the rollout log are
-    deleted): the rerun says so in one line, starts over, and its rollout log has every step once."""
+    deleted, or 64 bytes in the middle of one overwritten, its size kept: the resume published it, unreadable): the
+    rerun says so in one line, starts over, and its rollout log has every step once, readable."""
     set_params(ppo_project, **{"ppo.steps": 8, "ppo.checkpoint_every": 2})
     result = run(ppo_project, sys.executable, str(FAULT), "ppo", "--where", STEP, "--at", "6", "--kind", "interrupt")
     assert result.returncode == 130, result.stderr
     kept = ppo_project / CHECKPOINTS / newest_checkpoint(ppo_project)
     if damage == "weights":
         os.truncate(kept / "model.safetensors", 1000)
-    else:
+    elif damage == "copies":
         shutil.rmtree(kept / "files")
+    else:
+        chunk = kept / "files/rollouts/steps-000000-000001.parquet"
+        data = bytearray(chunk.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 64] = bytes(64)
+        chunk.write_bytes(bytes(data))
     result = run(ppo_project)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert f"removing {CHECKPOINTS}/{kept.name} (damaged: " in result.stderr

@@ -142,10 +142,31 @@ def untracked_inputs(values: Iterable[Any], to_copy: Iterable[str]) -> list[str]
             if not any(Path(file) == Path(value) or Path(value) in Path(file).parents for file in tracked)]
 
 
-def copy_inputs(copies: dict[str, Path], dry_run: bool) -> None:
-    """Make the ``local_inputs`` copies (with ``dry_run``, only say so)."""
-    from rlhf.pipeline.io import atomic_path  # imports torch: not for a dry run
+def check_sources(copies: dict[str, Path]) -> None:
+    """Read each source of the ``local_inputs`` copies as the stages will read its copy (the IMDb's train and test
+    splits, the tokenizer), so that one that cannot be read is named before anything is copied: a broken copy left in
+    data/raw/ ran into dvc exp run, and the next attempt, given a good source, refused to copy over it."""
+    from rlhf.data.imdb import load_imdb
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.pipeline.params import defaults
 
+    kinds = {target: kind for kind, target in LOCAL_INPUTS.items()}
+    for target, source in copies.items():
+        try:
+            if kinds[target] == "imdb":
+                load_imdb(str(source), None, ["train", "test"])
+            else:
+                load_tokenizer(str(source), defaults().model, what=str(source))
+        except PipelineError as e:
+            raise ParamsError(f"--{kinds[target]}: {e} (nothing was copied to {target})") from None
+
+
+def copy_inputs(copies: dict[str, Path], dry_run: bool) -> None:
+    """Make the ``local_inputs`` copies (with ``dry_run``, only say so), every source checked first
+    (``check_sources``)."""
+    from rlhf.pipeline.io import atomic_path
+
+    check_sources(copies)
     for target, source in copies.items():
         print(f"{'would copy' if dry_run else 'copying'} {source} -> {target}")
         if not dry_run:

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf.data.imdb import ratings, shown
 from rlhf.data.pairs import read_pairs
+from rlhf.models.texts import opening_texts
 from rlhf.pipeline.errors import DataError
 
 PROMPT_SCHEMA = pa.schema([
@@ -88,14 +89,14 @@ class Tokenized:
 
 
 def build_prompts(split: Tokenized, n: int | None, tokens: tuple[int, int], rng: np.random.Generator) -> pa.Table:
-    """``n`` prompts (all when None; at most as many as reviews) from the reviews, in file order: query text, its
-    token ids, the review."""
+    """``n`` prompts (all when None; at most as many as reviews) from the reviews, in file order: query text (less
+    a character the cut split: texts.opening_texts), its token ids, the review."""
     reviews = split.reviews
     rows = np.arange(len(reviews)) if n is None or n >= len(reviews) else np.sort(
         rng.choice(len(reviews), size=n, replace=False))
     prefixes = split.cut(rows, tokens, rng)
     return pa.table({
-        "query": split.tokenizer.batch_decode(prefixes),
+        "query": opening_texts(split.tokenizer, prefixes),
         "input_ids": prefixes,
         "review_id": reviews["review_id"].to_numpy()[rows],
         "label": reviews["label"].to_numpy()[rows],
@@ -146,7 +147,7 @@ def build_pairs(split: Tokenized, n: int, tokens: tuple[int, int], by_rating: bo
         chosen, rejected = _draw(pos, n, rng), _draw(neg, n, rng)
     columns = {}
     for side, rows in (("chosen", chosen), ("rejected", rejected)):
-        columns[side] = split.tokenizer.batch_decode(split.cut(rows, tokens, rng))
+        columns[side] = opening_texts(split.tokenizer, split.cut(rows, tokens, rng))
         columns[f"{side}_id"] = reviews["review_id"].to_numpy()[rows]
         columns[f"{side}_rating"] = reviews["rating"].to_numpy()[rows]
     return pa.table(columns, schema=PAIR_SCHEMA)

@@ -11,6 +11,7 @@ or a model id/dir's last path component with every run of characters outside [A-
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 
 import numpy as np
@@ -171,11 +172,27 @@ def evaluate_policy(policy: PreTrainedModel | None, reference: PreTrainedModel, 
     return metrics, samples_table(prompts.queries, runs, scores, stats["policy"])
 
 
+LINE_BREAKS = set("\n\r\t\v\f\x1c\x1d\x1e\x85\u2028\u2029")  # str.splitlines' line boundaries, and tab
+# the bidirectional embeddings, overrides and isolates: they reorder how the text after them is shown
+BIDI_CONTROLS = set("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _visible(char: str) -> str:
+    """A character of a response as a report shows it: a line break or tab as a space, any other control character
+    (a terminal escape, NUL, a bidi override) as its escape, ``\\x1b``; the rest as it is."""
+    if char in LINE_BREAKS:
+        return " "
+    if unicodedata.category(char) == "Cc" or char in BIDI_CONTROLS:
+        return "\\" + ascii(char)[1:-1]  # the backslash itself escaped, as every backslash of a cell is
+    return char
+
+
 def _cell(value: object) -> str:
-    """A Markdown table cell: one line, pipes escaped, floats to 3 decimals."""
+    """A Markdown table cell: one line, backslashes and pipes escaped, control characters made visible
+    (``_visible``), floats to 3 decimals."""
     if isinstance(value, float | np.floating):
         return f"{value:.3f}"
-    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("\r", " ")
+    return "".join(map(_visible, str(value).replace("\\", "\\\\").replace("|", "\\|")))
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:

@@ -185,27 +185,38 @@ OTHER_TASKS = ("ForSequenceClassification", "ForTokenClassification", "ForQuesti
 def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, new_head: bool = False,
                      **kwargs: Any) -> PreTrainedModel:
     """``auto_cls.from_pretrained``, every weight of the model from the checkpoint: transformers would start the ones
-    it lacks at random, with a warning; only a ``new_head`` (a reward model's score head on a base) may be new.
-    Weights load in fp32 whatever dtype they were saved in (unless ``dtype`` says otherwise): training keeps fp32
-    weights (bf16 only under autocast), and a half-precision policy beside its fp32 value head failed mid-step."""
+    it lacks or whose shape differs at random, with a warning; only a ``new_head`` (a reward model's score head on a
+    base) may be new. Weights load in fp32 whatever dtype they were saved in (unless ``dtype`` says otherwise):
+    training keeps fp32 weights (bf16 only under autocast), and a half-precision policy beside its fp32 value head
+    failed mid-step."""
     kwargs.setdefault("dtype", torch.float32)
     check_local_dir(name, what)
     check_weights_format(name, what, model.allow_pickle)
     check_safetensors(name, what)
     verbosity = hf_logging.get_verbosity()
-    if new_head:  # transformers' load report would list the new head as missing: expected, and checked below
-        hf_logging.set_verbosity_error()
+    # transformers' load report (a table of missing, unexpected and mismatched tensors) is silenced: what of it
+    # matters is checked below from the loading info, in one line; a mismatch is reported there, not raised after it
+    hf_logging.set_verbosity_error()
     try:
         loaded, info = auto_cls.from_pretrained(
             name, use_safetensors=None if model.allow_pickle else True, output_loading_info=True,
-            **_load_kwargs(name, model), **kwargs
+            ignore_mismatched_sizes=True, **_load_kwargs(name, model), **kwargs
         )
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise ModelError(f"{what}: cannot load a model from {name!r}: {str(e).splitlines()[0]}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    missing = sorted(key for key in info["missing_keys"]
-                     if not (new_head and not key.startswith(loaded.base_model_prefix)))
+
+    def expected(key: str) -> bool:
+        return new_head and not key.startswith(loaded.base_model_prefix)
+
+    mismatched = sorted((key, tuple(saved), tuple(shape)) for key, saved, shape in info["mismatched_keys"]
+                        if not expected(key))
+    if mismatched:
+        key, saved, shape = mismatched[0]
+        raise ModelError(f"{what}: {name}: its weights do not fit its config: {key} is {saved} in the weights, "
+                         f"{shape} in the model ({len(mismatched)} such tensors): a config.json of another model")
+    missing = sorted(key for key in info["missing_keys"] if not expected(key))
     if missing:
         raise ModelError(f"{what}: {name}: its weights lack {len(missing)} of the model's tensors ({missing[0]}, "
                          "...), which would start random: a truncated or mismatched checkpoint")

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.models.decoding import decode
 from rlhf.models.policy import PolicyWithValueHead, response_logits
 from rlhf.models.sampling import SamplingParams
+from rlhf.models.texts import response_texts
 from rlhf.rl.logprobs import logprobs_and_entropy
 
 if TYPE_CHECKING:
@@ -90,8 +91,13 @@ def generate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids:
 
 
 def decode_responses(tokenizer: PreTrainedTokenizerBase, samples: Samples) -> list[str]:
-    return [tokenizer.decode(r[m], skip_special_tokens=True)
-            for r, m in zip(samples.responses, samples.response_mask, strict=True)]
+    """The text of each response, as a scorer reads it after its prompt's text (``texts.response_texts``: a
+    character the prompt's last tokens cut is the response's)."""
+    P = samples.context_length
+    prompts = [q[m].tolist() for q, m in zip(samples.query_responses[:, :P], samples.attention_mask[:, :P].bool(),
+                                              strict=True)]
+    responses = [r[m].tolist() for r, m in zip(samples.responses, samples.response_mask, strict=True)]
+    return response_texts(tokenizer, prompts, responses)
 
 
 @dataclass

@@ -91,7 +91,9 @@ class PpoParams(Section):
     """Steps per rollout-log file and per resumable checkpoint in data/checkpoints/ppo/ (a rerun after a kill
     resumes from the newest). 0 or null: no checkpoints, rollout files of 10 steps."""
     nan_policy: Literal["stop", "skip"]
-    """On a NaN/inf score, loss or gradient: stop with a message, or skip the batch and count it."""
+    """On a NaN/inf score, loss or gradient: stop with a message, or skip the batch and count it. A run whose first 10
+    steps (or all its steps, if fewer) are all skipped stops there: its policy, never updated, would go on scoring
+    NaN/inf."""
 
     @model_validator(mode="after")
     def _rules(self) -> PpoParams:

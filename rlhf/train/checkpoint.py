@@ -4,11 +4,12 @@ DVC deletes a stage's outputs before it runs, so checkpoints live in ``data/chec
 DVC output). Each is a folder ``step-NNNNNN`` written to a temporary sibling and renamed into place (io.atomic_path),
 so a kill at any moment leaves the previous checkpoint or the new one, never half of one; an old one goes by one rename
 first (io.discard). Its ``state.json``, written last, carries a fingerprint of everything that determines the run
-(params, input files, code, library versions, process count) and the size of every file saved; a checkpoint with
-another fingerprint belongs to another run, and one that does not match what was saved (``damage``) is damaged:
-either is removed with a log line, and the run resumes from its newest whole checkpoint or starts over. A completed
-run deletes its checkpoints once its outputs are in place (io.StagedOutputs). A stage whose dvc was killed stops right
-after its next checkpoint (``stop_if_dvc_gone``).
+(params, input files, code, library versions, process count) and the size and hash of every file saved; a
+checkpoint with another fingerprint belongs to another run, and one whose files are not what was saved (``damage``:
+a kill, a full disk, a bad sector, a hand) is damaged: either is removed with a log line, and the run resumes from its
+newest whole checkpoint or starts over: a damaged copy of a rollout chunk is found before it is published. A
+completed run deletes its checkpoints once its outputs are in place (io.StagedOutputs). A stage whose dvc was killed
+stops right after its next checkpoint (``stop_if_dvc_gone``).
 
 Layout of a checkpoint:
     model.safetensors   the trained weights of the module (``trained_weights``: policy, and value head and critic
@@ -28,19 +29,18 @@ import logging
 import os
 import pickle
 import shutil
-import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
-from rlhf.models.loading import safetensors_problem
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.io import REMOVED, atomic_path, check_writable, discard, remove, require_free_space
-from rlhf.pipeline.params import Params, expand, stage_values
+from rlhf.pipeline.params import Params, changed_since_read, expand, stage_values
 from rlhf.pipeline.paths import CHECKPOINT_PREFIX, checkpoint_dir, checkpoints
 from rlhf.pipeline.wiring import wiring
 
@@ -50,7 +50,10 @@ STATE_FILE = "state.json"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 FILES_DIR = "files"
-MANIFEST = "manifest"  # state.json's {file: size} of everything saved before it
+MANIFEST = "manifest"  # state.json's {file: {"size": bytes, HASH: hex}} of everything saved before it
+# a 128-bit hash of each file's content against damage, not against a hand that could rewrite state.json as well:
+# xxh3 reads a checkpoint several times faster than sha256 (gigabytes of weights and optimizer state per save)
+HASH = "xxh3_128"
 CODE = ("stages/", "rlhf/", "rewards")  # the dvc.yaml deps that are the project's code (with any .py file listed)
 ROOT = Path(__file__).resolve().parents[2]  # the project whose code runs
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq: an AdamW checkpoint holds each weight three times
@@ -139,8 +142,8 @@ def check_room_for_checkpoints(folder: Path, needed: int, key: str, fingerprint:
 
 def save(folder: Path, step: int, model: torch.nn.Module, optimizer_state: dict[str, Any], state: dict[str, Any],
          files: dict[str, Path]) -> Path:
-    """Write checkpoint ``step`` atomically (temp sibling, then rename), state.json last with the size of every file
-    written before it, then remove the older ones."""
+    """Write checkpoint ``step`` atomically (temp sibling, then rename), state.json last with the size and hash of
+    every file written before it, then remove the older ones."""
     final = folder / f"{CHECKPOINT_PREFIX}{step:06d}"
     with atomic_path(final) as tmp:
         tmp.mkdir()
@@ -150,7 +153,7 @@ def save(folder: Path, step: int, model: torch.nn.Module, optimizer_state: dict[
         for name, source in files.items():
             if source.exists():
                 shutil.copytree(source, tmp / FILES_DIR / name)
-        manifest = {file.relative_to(tmp).as_posix(): file.stat().st_size
+        manifest = {file.relative_to(tmp).as_posix(): {"size": file.stat().st_size, HASH: file_hash(file)}
                     for file in sorted(tmp.rglob("*")) if file.is_file()}
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state, MANIFEST: manifest}), encoding="utf-8")
     for old in checkpoints(folder):
@@ -168,30 +171,37 @@ def read_state(path: Path) -> dict[str, Any]:
     return state if isinstance(state, dict) else {}
 
 
+def file_hash(path: Path) -> str:
+    """The HASH of a file's bytes (read in blocks: a checkpoint's optimizer state can be gigabytes)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, xxhash.xxh3_128).hexdigest()
+
+
 def damage(path: Path, state: dict[str, Any], required: Iterable[str], steps: int | None) -> str | None:
     """Why checkpoint ``path`` (its ``state``) cannot be resumed from, None when it can: state.json lacks a key the
-    run reads (``required``), its step is past the run's ``steps``, a file is missing or not the size it was saved
-    with (a kill, a full disk, a hand), the weights' header disagrees with their size, optimizer.pt is no whole
-    archive."""
+    run reads (``required``), its step is past the run's ``steps``, a file is missing, not the size it was saved with
+    or, the sizes all right, not the content (its hash): a kill, a full disk, a bad sector, a hand. The content is
+    what a resume loads or publishes: the weights, the optimizer state, the copies of the rollout log and curves."""
     missing = [key for key in ("step", "fingerprint", MANIFEST, *required) if key not in state]
     if missing:
         return f"{STATE_FILE} lacks {', '.join(missing)}"
     if not isinstance(state["step"], int) or not 0 <= state["step"] < (steps if steps is not None else 2**62):
         return f"its step {state['step']!r} is not a step of this run"
-    for name, size in state[MANIFEST].items():
+    saved = state[MANIFEST]
+    if not (isinstance(saved, dict) and all(isinstance(entry, dict) and entry.keys() == {"size", HASH}
+                                            and ".." not in Path(name).parts and not Path(name).is_absolute()
+                                            for name, entry in saved.items())):
+        return f"{STATE_FILE}'s {MANIFEST} is not one this code writes"
+    for name, entry in saved.items():  # the sizes first: a truncated file is found without reading gigabytes
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
-        if file.stat().st_size != size:
-            return f"{name} is {file.stat().st_size} bytes, {size} when saved"
-    if problem := safetensors_problem(path / WEIGHTS_FILE):
-        return f"{WEIGHTS_FILE}: {problem}"
-    try:
-        with zipfile.ZipFile(path / OPTIMIZER_FILE) as archive:
-            bad = archive.testzip()
-    except (OSError, zipfile.BadZipFile) as e:
-        return f"{OPTIMIZER_FILE}: {e}"
-    return f"{OPTIMIZER_FILE}: {bad} is corrupt" if bad else None
+        if file.stat().st_size != entry["size"]:
+            return f"{name} is {file.stat().st_size} bytes, {entry['size']} when saved"
+    for name, entry in saved.items():
+        if file_hash(path / name) != entry[HASH]:
+            return f"{name} is not what was saved (same size, other content)"
+    return None
 
 
 def find(folder: Path, fingerprint: str, prune: bool = True, required: Iterable[str] = (),
@@ -245,13 +255,20 @@ def load_optimizer_state(checkpoint: Checkpoint) -> dict[str, Any]:
 
 
 def restore_files(checkpoint: Checkpoint, files: dict[str, Path]) -> None:
-    """Put the (staged) outputs saved with the checkpoint back where the resumed run writes them."""
+    """Put the (staged) outputs saved with the checkpoint back where the resumed run writes them: the files its
+    manifest lists, whose content ``find`` checked, and nothing else that may lie in its folder since."""
     for name, target in files.items():
-        source = checkpoint.path / FILES_DIR / name
+        folder = Path(FILES_DIR, name)
         if target.exists():
             shutil.rmtree(target)
-        if source.exists():
-            shutil.copytree(source, target)
+        if not (checkpoint.path / folder).is_dir():
+            continue
+        target.mkdir(parents=True)
+        for saved in map(Path, checkpoint.state[MANIFEST]):
+            if saved.is_relative_to(folder):
+                copy = target / saved.relative_to(folder)
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(checkpoint.path / saved, copy)
 
 
 # --- a stage whose dvc has exited ------------------------------------------------------------------------------------
@@ -304,3 +321,25 @@ def stop_if_dvc_gone(stage: str, step: int, pid: int | None) -> None:
         raise PipelineError(f"stopped after step {step}: the dvc process that ran {stage} (pid {pid}) has exited, so "
                             f"it would never record this run; checkpoint {kept[-1] if kept else 'none'} kept: rerun "
                             "(dvc repro) to resume")
+
+
+# --- params.yaml changed under a running stage -----------------------------------------------------------------------
+# The commit refuses outputs made with params other than those params.yaml now holds (DVC would record them together):
+# a stage checks at each checkpoint too, and stops there rather than train on to a result it would refuse.
+
+
+def params_changed(stage: str) -> str | None:
+    """What changed in params.yaml among the keys ``stage`` read ("ppo.learning_rate: 1e-05 -> 2e-05"), or None
+    (``params.changed_since_read``)."""
+    return changed_since_read(stage)
+
+
+def stop_if_params_changed(stage: str, step: int, change: str | None) -> None:
+    """Right after a checkpoint of ``stage``: with ``change`` (``params_changed()``, agreed by every process), stop,
+    keeping the checkpoint."""
+    if change is not None:
+        kept = checkpoints(checkpoint_dir(stage))
+        raise PipelineError(f"params.yaml changed while {stage} ran ({change}): stopped after step {step}, as its "
+                            "outputs would be recorded with the new values; checkpoint "
+                            f"{kept[-1] if kept else 'none'} kept: restore the params and rerun to resume (run "
+                            "experiments one at a time, or queue them: dvc exp run --queue)")

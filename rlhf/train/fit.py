@@ -94,6 +94,7 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
                 save(folder, plan, step, model, optimizer, schedule, {
                     "losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})
                 checkpoint.stop_if_dvc_gone(plan.section, step, checkpoint.dvc_gone())
+                checkpoint.stop_if_params_changed(plan.section, step, checkpoint.params_changed(plan.section))
     return FitResult(losses, earlier + time.perf_counter() - start)
 
 

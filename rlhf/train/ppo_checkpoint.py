@@ -75,6 +75,16 @@ class Checkpointing:
             gone = gather_object(gone)
         checkpoint.stop_if_dvc_gone("ppo", step, next((pid for pid in gone if pid is not None), None))
 
+    def stop_if_params_changed(self, step: int, accelerator: Accelerator) -> None:
+        """After a save: stop, every process alike, when params.yaml changed under the stage
+        (checkpoint.params_changed): its outputs would be refused at the end."""
+        from accelerate.utils import gather_object
+
+        changes = [checkpoint.params_changed("ppo")]
+        if accelerator.num_processes > 1:
+            changes = gather_object(changes)
+        checkpoint.stop_if_params_changed("ppo", step, next((change for change in changes if change), None))
+
     def restore(self, found: checkpoint.Checkpoint, trainer: PPOTrainer, order: Batches,
                 accelerator: Accelerator) -> None:
         if accelerator.is_main_process:
