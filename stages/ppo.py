@@ -110,7 +110,7 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
     device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
     # first: a reward function that fails, or a model that cannot score (or not the longest prompt + response),
     # is refused before any model loads
-    scorer = make_reward_scorer(params, device, STAGE, prompts.queries, prompts.longest + cfg.response_max_tokens)
+    scorer = make_reward_scorer(params, device, STAGE, prompts, prompts.longest + cfg.response_max_tokens)
     seed_everything(params.seed + rank)
     policy, ref, tokenizer = load_models(params, device)
     if is_main:
