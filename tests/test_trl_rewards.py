@@ -5,6 +5,7 @@ a signature that fits both conventions or neither is refused at load, in one lin
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from collections.abc import Iterator
@@ -167,6 +168,11 @@ def test_ppo_learns_from_trl_s_example_functions(ppo_project: Path, tokenizer_di
                 + torch.tensor(examples.format_reward_func(rollouts["response"]))
                 + 0.5 * torch.tensor(rollouts["response_length"].tolist(), dtype=torch.float32))
     torch.testing.assert_close(torch.tensor(rollouts["score"].tolist()), expected)
+    # the stage's use of the machine lands beside its curves and in its metrics (rlhf/train/system_use.py)
+    system = pd.read_csv("metrics/ppo/system.csv")
+    assert len(system) and (system["cpu"] >= 0).all() and (system["ram_gb"] > 0).all()
+    assert system["gpu_busy"].isna().all()  # no GPU here
+    assert json.loads(Path("metrics/ppo.json").read_text())["ppo"]["system"]["cpu_cores"] > 0
     by_step = rollouts.groupby("step")["score"].mean()
     # reward_len dominates: about -8 at first, its batch mean's noise about 1 a step; measured (under load, 30
     # steps, trainer alone) +1.7 and +2.3 between the first and last 5 steps
