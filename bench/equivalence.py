@@ -126,7 +126,7 @@ class FixedScores:
     def __init__(self, scores: list[float]) -> None:
         self.scores = torch.tensor(scores)
 
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+    def __call__(self, queries: list[str], responses: list[str], response_ids: object = None) -> torch.Tensor:
         return self.scores.clone()
 
 

@@ -54,7 +54,7 @@ class StandInScorer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+    def __call__(self, queries: list[str], responses: list[str], response_ids: object = None) -> torch.Tensor:
         ids = self.tokenizer(responses, add_special_tokens=False)["input_ids"]
         return torch.tensor([stand_in_score(r) for r in ids], dtype=torch.float32)
 

@@ -8,7 +8,8 @@ Writes  models/dpo/        the trained LM + tokenizer (AutoModelForCausalLM); on
                            not dpo (evaluate then reads the method's own policy)
         metrics/dpo/       DVCLive curves: each step's batch (train/loss, train/rewards/*, train/logratios/*) and, ten
                            times a run, the held-out test pairs' (eval/rewards/accuracies, eval/rewards/margins, ...)
-        metrics/dpo.json   summary: the held-out stats at the end, pairs, steps, seconds
+                           and system.csv, CPU, memory and GPU use while training (rlhf/train/system_use.py)
+        metrics/dpo.json   summary: the held-out stats at the end, pairs, steps, seconds, system use
 The reference's log-probs are computed once per pair set by the ref_logprobs stage, so no reference model is held
 while training (rlhf/train/dpo.py). The outputs are replaced together
 when the stage completes, or not at all; with dpo.checkpoint_every a rerun after a kill resumes from the newest
@@ -25,12 +26,14 @@ from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, run_switchable, write_json
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import DPO_DIR, checkpoint_dir
+from rlhf.train.system_use import HEADER as SYSTEM_HEADER
 
 log = logging.getLogger("dpo")
 
 STAGE = "dpo"
 DPO_METRICS = Path("metrics/dpo.json")
 DPO_CURVES = Path("metrics/dpo")
+DPO_SYSTEM = DPO_CURVES / "system.csv"
 # what to lower when the GPU runs out of memory
 OUT_OF_MEMORY = "lower dpo.batch_size or dpo.max_length"
 EVAL_BATCH = 64  # pairs per forward pass of the held-out evaluation
@@ -40,7 +43,8 @@ DISABLED = "method is not dpo: evaluate reads the method's own policy"
 def main() -> None:
     params = load_params(STAGE)
     run_switchable(STAGE, params.method == "dpo", lambda outputs: train_dpo(params, outputs), DPO_DIR, DISABLED,
-                   {DPO_METRICS: '{"dpo": {"trained": false}}\n', DPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
+                   {DPO_METRICS: '{"dpo": {"trained": false}}\n', DPO_CURVES / DISABLED_MARKER: DISABLED + "\n",
+                    DPO_SYSTEM: SYSTEM_HEADER})
 
 
 def train_dpo(params: Params, outputs: StagedOutputs) -> None:
@@ -50,6 +54,7 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.models.precision import pick_device
     from rlhf.train import checkpoint, dpo
     from rlhf.train.rng import seed_everything
+    from rlhf.train.system_use import SystemUse
 
     cfg = params.dpo
     frames = dpo.read_pair_files(cfg.pairs, cfg.batch_size)
@@ -70,15 +75,18 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     history = dpo.History(dpo.total_steps(len(train_pairs), cfg),
                           lambda: dpo.evaluate(policy, test_pairs, cfg, EVAL_BATCH),
                           checkpoint_dir(STAGE) / f"history-{fingerprint}.jsonl" if fingerprint else None)
-    result = dpo.train(policy, train_pairs, cfg, generator, fingerprint, history)
+    with SystemUse(policy.device) as system:
+        result = dpo.train(policy, train_pairs, cfg, generator, fingerprint, history)
     held_out = {key: value for key, value in history.rows[-1].items() if key.startswith("eval/")}
 
     save_pretrained(lm, tokenizer, outputs[DPO_DIR])
     history.write_curves(outputs[DPO_CURVES])
+    system.write(outputs[DPO_SYSTEM])
     tail = result.losses[-20:]
     write_json({"dpo": {"trained": True, "train_pairs": len(train_pairs), "test_pairs": len(test_pairs),
                         "steps": len(result.losses), "seconds": round(result.seconds, 1),
-                        "train_loss": round(sum(tail) / len(tail), 4), **held_out}}, outputs[DPO_METRICS])
+                        "train_loss": round(sum(tail) / len(tail), 4), "system": system.summary(), **held_out}},
+               outputs[DPO_METRICS])
     log.info("dpo: held-out implicit-reward accuracy %.3f, margin %.3f", held_out["eval/rewards/accuracies"],
              held_out["eval/rewards/margins"])
 

@@ -6,7 +6,8 @@ Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM
                                 (gae only: the other estimators train no value head); when method is not ppo, only
                                 DISABLED markers here, in data/rollouts/ and in metrics/ppo/
         data/rollouts/*.parquet one row per sample per step
-        metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput)
+        metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput), and
+                                system.csv: CPU, memory and GPU use while training (rlhf/train/system_use.py)
         metrics/ppo.json        summary
 The outputs are written under staging siblings (the rollout chunks and curves as the run goes) and replaced together
 when the stage completes, or not at all (rlhf/pipeline/io.py's StagedOutputs).
@@ -39,6 +40,7 @@ from rlhf.pipeline.errors import DataError, ModelError, TrainingError, interrupt
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, write_disabled, write_json
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import POLICY_DIR, PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS
+from rlhf.train.system_use import HEADER as SYSTEM_HEADER
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -61,6 +63,7 @@ DISABLED = "method is not ppo: evaluate reads the method's own policy"
 
 STAGE = "ppo"
 PPO_METRICS = Path("metrics/ppo.json")
+PPO_SYSTEM = PPO_CURVES / "system.csv"
 # what to lower when the GPU runs out of memory
 OUT_OF_MEMORY = ("lower ppo.batch_size (generation holds the whole batch) or ppo.mini_batch_size (raising "
                  "ppo.gradient_accumulation_steps keeps the same batch)")
@@ -72,7 +75,8 @@ def main() -> None:
         with StagedOutputs.of(STAGE) as outputs:
             write_disabled(outputs, POLICY_DIR, DISABLED, {PPO_METRICS: '{"ppo": {"trained": false}}\n',
                                                            ROLLOUTS_DIR / DISABLED_MARKER: DISABLED + "\n",
-                                                           PPO_CURVES / DISABLED_MARKER: DISABLED + "\n"})
+                                                           PPO_CURVES / DISABLED_MARKER: DISABLED + "\n",
+                                                           PPO_SYSTEM: SYSTEM_HEADER})
         return
     # imported here and in the functions below: switched off, the stage loads none of it (stages/__init__.py)
     from accelerate import Accelerator
@@ -109,12 +113,13 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
     from rlhf.train.ppo_checkpoint import find_checkpoint
     from rlhf.train.ppo_trainer import PPOTrainer
     from rlhf.train.rng import seed_everything
+    from rlhf.train.system_use import SystemUse
 
     cfg = params.ppo
     device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
     # first: a reward function that fails, or a model that cannot score (or not the longest prompt + response),
     # is refused before any model loads
-    scorer = make_reward_scorer(params, device, STAGE, prompts.queries, prompts.longest + cfg.response_max_tokens)
+    scorer = make_reward_scorer(params, device, STAGE, prompts, prompts.longest + cfg.response_max_tokens)
     seed_everything(params.seed + rank)
     policy, ref, tokenizer = load_models(params, device)
     if is_main:
@@ -132,7 +137,8 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
         log.info("ppo: resuming after step %d from %s", found.step, found.path)
 
     start = time.perf_counter()
-    last = train(trainer, prompts, order, ckpt, found, accelerator, outputs)
+    with SystemUse(device) as system:
+        last = train(trainer, prompts, order, ckpt, found, accelerator, outputs)
 
     if is_main:
         save_policy(trainer.policy, tokenizer, outputs[POLICY_DIR])
@@ -142,8 +148,9 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
         summary = {"trained": True, "processes": accelerator.num_processes, "seconds": round(seconds, 1),
                    "skipped_batches": trainer.skipped_batches,
                    "throughput/samples_per_s": round(samples * accelerator.num_processes / seconds, 2),
-                   **{k: v for k, v in last.items() if k.startswith("objective/")}}
+                   "system": system.summary(), **{k: v for k, v in last.items() if k.startswith("objective/")}}
         write_json({"ppo": summary}, outputs[PPO_METRICS])
+        system.write(outputs[PPO_SYSTEM])
         log.info("ppo: %s", summary)
 
 

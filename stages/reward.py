@@ -5,6 +5,7 @@ Writes  models/reward/                  one-output sequence classifier + tokeniz
                                         reward.train is false (ppo then scores with reward.model)
         metrics/reward.json             held-out pair accuracy, mean margin, score means
         metrics/reward/scores.csv       score histogram of positive (chosen) vs negative (rejected) test snippets
+        metrics/reward/system.csv       CPU, memory and GPU use while training (rlhf/train/system_use.py)
 The outputs are replaced together when the stage completes, or not at all (rlhf/pipeline/io.py's StagedOutputs).
 """
 
@@ -18,10 +19,12 @@ from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import REWARD_DIR, TEST_PAIRS, TRAIN_PAIRS
+from rlhf.train.system_use import HEADER as SYSTEM_HEADER
 
 STAGE = "reward"
 REWARD_METRICS = Path("metrics/reward.json")
 REWARD_SCORES = Path("metrics/reward/scores.csv")
+REWARD_SYSTEM = Path("metrics/reward/system.csv")
 # what to lower when the GPU runs out of memory
 OUT_OF_MEMORY = "lower reward.batch_size or reward.max_length"
 
@@ -30,7 +33,8 @@ def main() -> None:
     params = load_params(STAGE)
     run_switchable(STAGE, params.reward.train, lambda outputs: train_reward(params, outputs),
                    REWARD_DIR, "reward.train is false: ppo and evaluate score with reward.model",
-                   {REWARD_METRICS: '{"reward": {"trained": false}}\n', REWARD_SCORES: "score,positive,negative\n"})
+                   {REWARD_METRICS: '{"reward": {"trained": false}}\n', REWARD_SCORES: "score,positive,negative\n",
+                    REWARD_SYSTEM: SYSTEM_HEADER})
 
 
 def train_reward(params: Params, outputs: StagedOutputs) -> None:
@@ -42,6 +46,7 @@ def train_reward(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.train.checkpoint import weights_bytes
     from rlhf.train.reward_model import build, evaluate, train
     from rlhf.train.rng import seed_everything
+    from rlhf.train.system_use import SystemUse
 
     generator = seed_everything(params.seed)
     train_pairs, test_pairs = read_pairs(TRAIN_PAIRS), read_pairs(TEST_PAIRS)
@@ -52,7 +57,8 @@ def train_reward(params: Params, outputs: StagedOutputs) -> None:
     outputs.check_free_space(REWARD_DIR, weights_bytes(model))
     device = pick_device()
     model.to(device)
-    result = train(model, tokenizer, train_pairs, params, device, generator)
+    with SystemUse(device) as system:
+        result = train(model, tokenizer, train_pairs, params, device, generator)
     chosen, rejected = evaluate(model, tokenizer, test_pairs, params.reward.max_length, device)
     save_pretrained(model, tokenizer, outputs[REWARD_DIR])
     metrics = {"trained": True, "accuracy": round((chosen > rejected).float().mean().item(), 4),
@@ -60,10 +66,11 @@ def train_reward(params: Params, outputs: StagedOutputs) -> None:
                "chosen_score_mean": round(chosen.mean().item(), 4),
                "rejected_score_mean": round(rejected.mean().item(), 4),
                "train_loss": round(sum(result.losses[-20:]) / len(result.losses[-20:]), 4),
-               "pairs": len(train_pairs), "seconds": round(result.seconds, 1)}
+               "pairs": len(train_pairs), "seconds": round(result.seconds, 1), "system": system.summary()}
     write_json({"reward": metrics}, outputs[REWARD_METRICS])
     write_text(histogram({"positive": chosen.numpy(), "negative": rejected.numpy()}, x="score").to_csv(index=False),
                outputs[REWARD_SCORES])
+    system.write(outputs[REWARD_SYSTEM])
     logging.getLogger("reward").info("reward: held-out pair accuracy %.3f", metrics["accuracy"])
 
 

@@ -73,7 +73,7 @@ def write_pairs(params: Params, outputs: StagedOutputs) -> None:
     seed_everything(params.seed)
     device = pick_device()
     longest = prompts.longest + params.ppo.response_max_tokens
-    scorer = make_reward_scorer(params, device, STAGE, prompts.queries, longest)
+    scorer = make_reward_scorer(params, device, STAGE, prompts, longest)
     lm, tokenizer, _ = load_initial_policy(params)
     cfg = params.ppo
     check_prompts(TRAIN_PROMPTS, prompts, tokenizer, lm, cfg.response_max_tokens, "the initial policy")

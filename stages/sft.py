@@ -5,6 +5,7 @@ Writes  models/sft/           HF model (safetensors) + tokenizer + generation co
                               sft.enabled is false
         metrics/sft.json      held-out perplexity, final loss, tokens, tokens/s
         metrics/sft/loss.csv  the training loss curve (DVC plot)
+        metrics/sft/system.csv  CPU, memory and GPU use while training (rlhf/train/system_use.py)
 The outputs are replaced together when the stage completes, or not at all (rlhf/pipeline/io.py's StagedOutputs).
 """
 
@@ -17,12 +18,14 @@ from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_text
 from rlhf.pipeline.params import Params, load_params
 from rlhf.pipeline.paths import SFT_DIR
+from rlhf.train.system_use import HEADER as SYSTEM_HEADER
 
 EVAL_BATCH = 16
 
 STAGE = "sft"
 SFT_METRICS = Path("metrics/sft.json")
 SFT_LOSS = Path("metrics/sft/loss.csv")
+SFT_SYSTEM = Path("metrics/sft/system.csv")
 # what to lower when the GPU runs out of memory
 OUT_OF_MEMORY = "lower sft.batch_size (and raise sft.gradient_accumulation_steps to keep the same batch)"
 
@@ -31,7 +34,8 @@ def main() -> None:
     params = load_params(STAGE)
     run_switchable(STAGE, params.sft.enabled, lambda outputs: train_sft(params, outputs), SFT_DIR,
                    "sft.enabled is false: ppo and evaluate use model.policy",
-                   {SFT_METRICS: '{"sft": {"trained": false}}\n', SFT_LOSS: "step,loss\n"})
+                   {SFT_METRICS: '{"sft": {"trained": false}}\n', SFT_LOSS: "step,loss\n",
+                    SFT_SYSTEM: SYSTEM_HEADER})
 
 
 def train_sft(params: Params, outputs: StagedOutputs) -> None:
@@ -45,6 +49,7 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.train.checkpoint import weights_bytes
     from rlhf.train.rng import seed_everything
     from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
+    from rlhf.train.system_use import SystemUse
 
     s = params.sft
     generator = seed_everything(params.seed)
@@ -63,14 +68,16 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
 
     device = pick_device()
     lm.to(device)
-    result = train(lm, blocks, params, device, generator)
+    with SystemUse(device) as system:
+        result = train(lm, blocks, params, device, generator)
     ppl = perplexity(lm, held_out, EVAL_BATCH, device)
     save_pretrained(lm, tokenizer, outputs[SFT_DIR])
     tail, tokens = result.losses[-20:], len(result.losses) * tokens_per_step(s)
     write_json({"sft": {"trained": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
                         "tokens": tokens, "tokens_per_s": round(tokens / result.seconds, 1),
-                        "seconds": round(result.seconds, 1), "parameters": lm.num_parameters()}},
-               outputs[SFT_METRICS])
+                        "seconds": round(result.seconds, 1), "parameters": lm.num_parameters(),
+                        "system": system.summary()}}, outputs[SFT_METRICS])
+    system.write(outputs[SFT_SYSTEM])
     write_text("step,loss\n" + "".join(f"{step},{loss:.5f}\n" for step, loss in enumerate(result.losses)),
                outputs[SFT_LOSS])
     logging.getLogger("sft").info("sft: held-out perplexity %.2f after %d tokens", ppl, tokens)

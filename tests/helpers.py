@@ -117,7 +117,7 @@ class TokenShareScorer:
     def __init__(self, tokenizer, cutoff: int) -> None:
         self.tokenizer, self.cutoff = tokenizer, cutoff
 
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+    def __call__(self, queries: list[str], responses: list[str], response_ids: object = None) -> torch.Tensor:
         shares = []
         for text in responses:
             ids = self.tokenizer(text, add_special_tokens=False).input_ids

@@ -23,6 +23,7 @@ def test_each_plotted_file_is_drawn_once_against_its_own_x_column(project: Path)
         assert "x" in props and "y" in props, f"dvc.yaml: stage plot {path} needs x and y (else: the row index)"
         columns[path] = [props["x"], props["y"]]
     folders = []  # plots whose id is a path (each file in it is a chart of its own), e.g. the frontier charts
+    top: dict[str, list[str]] = {}  # file -> its columns, over the top-level plots that draw it (x first)
     for entry in spec["plots"]:
         ((plot_id, plot),) = entry.items()
         if isinstance(plot["y"], str):
@@ -30,7 +31,10 @@ def test_each_plotted_file_is_drawn_once_against_its_own_x_column(project: Path)
             continue
         for path, fields in plot["y"].items():
             assert path not in columns, f"{path}: a stage plot and in a top-level plot, so drawn twice"
-            columns[path] = [plot["x"], *([fields] if isinstance(fields, str) else fields)]
+            names = top.setdefault(path, [])
+            names += [name for name in (plot["x"], *([fields] if isinstance(fields, str) else fields))
+                      if name not in names]
+    columns |= top
 
     for path, names in columns.items():
         target = project / path

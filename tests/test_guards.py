@@ -25,7 +25,7 @@ from stages import ppo as ppo_stage
 
 
 class OutOfMemoryScorer(TokenShareScorer):
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+    def __call__(self, queries: list[str], responses: list[str], response_ids: object = None) -> torch.Tensor:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 

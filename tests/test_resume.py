@@ -175,7 +175,7 @@ class LengthScorer:
     def __init__(self, nan_call: int | None = None) -> None:
         self.calls, self.nan_call = 0, nan_call
 
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+    def __call__(self, queries: list[str], responses: list[str], response_ids: object = None) -> torch.Tensor:
         self.calls += 1
         scores = torch.tensor([len(r) / 10 for r in responses])
         if self.calls == self.nan_call:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import ROOT, set_params
 
+from rlhf.data.prompts import Prompts
 from rlhf.models.scorers import ClassifierScorer, make_reward_scorer
 from rlhf.pipeline.errors import RewardFunctionError
 from rlhf.pipeline.params import Params, defaults
@@ -29,6 +30,7 @@ from stages.evaluate import EVAL_SAMPLES
 
 PROMPTS = ["The movie was", "I think this", "A film about", "The actor"]
 RESPONSES = ["great great great great", "", "a fine film", "dull"]
+PROBE = Prompts([[10, 11, 12], [13, 14], [15, 16, 17], [18, 19]], PROMPTS)  # the stage's prompts, as read
 
 
 @pytest.fixture
@@ -73,6 +75,11 @@ BROKEN = {
             r"\(rewards\.broken:f\) returned nan for response 0 \(''\); 1 of 4 not finite$"),
     "type": ("def f(q, r):\n    return 'high'\n", "f", r"\(rewards\.broken:f\) returned a str, not one float per "
                                                         r"response$"),
+    # a finite float32 that overflows PPO's loss: named with the response, not "lower ppo.learning_rate" at step 0
+    "huge": ("def f(q, r):\n    return [3e38 for _ in r]\n", "f",
+             r"\(rewards\.broken:f\) returned 3e\+38 for response 0 \(''\), beyond ±1e\+06: PPO's float32 loss "),
+    "beyond-float32": ("def f(q, r):\n    return [0.0, 0.0, -1e39, 0.0]\n", "f",
+                       r"\(rewards\.broken:f\) returned -1e\+39 for response 2 \('A film about'\), beyond ±1e\+06"),
     # SystemExit is no Exception: the stage exited 0 with nothing written, or 2 with the module's own usage line
     "exits": ("import sys\ndef f(q, r):\n    sys.exit(0)\n", "f", r"\(rewards\.broken:f\) raised SystemExit: 0 "),
     "exits-on-import": ("import argparse\nargparse.ArgumentParser().parse_args(['--x'])\n", "f",
@@ -88,19 +95,19 @@ def test_a_broken_function_fails_in_one_line_naming_it_before_a_model_loads(proj
     params = with_functions(("rewards.text:length_bonus", 1.0), (f"rewards.broken:{name}", 0.5),
                             model="not-a-model")
     with pytest.raises(RewardFunctionError, match=r"^reward\.functions\[1\]:? " + message) as error:
-        make_reward_scorer(params, "cpu", "ppo", PROMPTS)
+        make_reward_scorer(params, "cpu", "ppo", PROBE)
     assert "\n" not in str(error.value)
 
 
 def test_the_training_reward_is_the_model_score_plus_the_weighted_functions(project_dir: Path,
                                                                           tiny_classifier_dir: Path) -> None:
     functions = (("rewards.text:repetition_penalty", 0.5), ("rewards.text:length_bonus", 2.0))
-    scorer = make_reward_scorer(with_functions(*functions, model=str(tiny_classifier_dir)), "cpu", "ppo", PROMPTS)
+    scorer = make_reward_scorer(with_functions(*functions, model=str(tiny_classifier_dir)), "cpu", "ppo", PROBE)
     model = ClassifierScorer(str(tiny_classifier_dir), defaults().model)(PROMPTS, RESPONSES)
     penalty, bonus = (torch.tensor(example(f)(PROMPTS, RESPONSES)) for f in ("repetition_penalty", "length_bonus"))
     assert penalty[0] == -0.75 and bonus[3] == 0.05
     torch.testing.assert_close(scorer(PROMPTS, RESPONSES), model + 0.5 * penalty + 2.0 * bonus)
-    alone = make_reward_scorer(with_functions(*functions), "cpu", "ppo", PROMPTS)
+    alone = make_reward_scorer(with_functions(*functions), "cpu", "ppo", PROBE)
     torch.testing.assert_close(alone(PROMPTS, RESPONSES), 0.5 * penalty + 2.0 * bonus)
 
 
@@ -110,15 +117,44 @@ def test_a_function_outside_the_stage_s_deps_is_refused_until_dvc_yaml_lists_it(
     params = with_functions(("my_reward:shout", 1.0))
     with pytest.raises(RewardFunctionError, match=r"^reward\.functions\[0\] \(my_reward:shout\): my_reward\.py is "
                                                   r"not among the ppo stage's deps in dvc\.yaml"):
-        make_reward_scorer(params, "cpu", "ppo", PROMPTS)
+        make_reward_scorer(params, "cpu", "ppo", PROBE)
     Path("dvc.yaml").write_text(Path("dvc.yaml").read_text().replace("deps: [stages/ppo.py,",
                                                                      "deps: [my_reward.py, stages/ppo.py,"))
-    assert make_reward_scorer(params, "cpu", "ppo", PROMPTS)(PROMPTS, ["wow!!", "", "!", "."]).tolist() == [2, 0, 1, 0]
+    assert make_reward_scorer(params, "cpu", "ppo", PROBE)(PROMPTS, ["wow!!", "", "!", "."]).tolist() == [2, 0, 1, 0]
     # an installed package's module lies outside the project: DVC cannot watch it, nothing to list
     site = tmp_path_factory.mktemp("site-packages")
     (site / "shouting.py").write_text("def shout(q, r):\n    return [x.count('!') for x in r]\n")
     monkeypatch.syspath_prepend(str(site))
-    make_reward_scorer(with_functions(("shouting:shout", 1.0)), "cpu", "ppo", PROMPTS)
+    make_reward_scorer(with_functions(("shouting:shout", 1.0)), "cpu", "ppo", PROBE)
+
+
+def test_a_module_outside_the_deps_is_refused_before_its_top_level_code_runs(project_dir: Path) -> None:
+    """The files a module's import would run are found without running them: a refused one (or its package's
+    __init__) never ran, so its side effects, a GPU grabbed or a file written, never happen."""
+    Path("loose.py").write_text("open('loose-ran', 'w').close()\ndef f(q, r):\n    return [0.0] * len(r)\n")
+    Path("mine").mkdir()
+    Path("mine/__init__.py").write_text("open('package-ran', 'w').close()\n")
+    Path("mine/scores.py").write_text("open('module-ran', 'w').close()\ndef f(q, r):\n    return [0.0] * len(r)\n")
+    for spec, culprit in (("loose:f", "loose.py"), ("mine.scores:f", "mine/__init__.py")):
+        with pytest.raises(RewardFunctionError, match=rf"\({spec}\): {culprit} is not among the ppo stage's deps"):
+            make_reward_scorer(with_functions((spec, 1.0)), "cpu", "ppo", PROBE)
+    assert not [name for name in ("loose-ran", "package-ran", "module-ran") if Path(name).exists()]
+    assert "loose" not in sys.modules and "mine" not in sys.modules
+    # listed, the package runs its code once the check has passed
+    Path("dvc.yaml").write_text(Path("dvc.yaml").read_text().replace("deps: [stages/ppo.py,",
+                                                                     "deps: [mine, stages/ppo.py,"))
+    make_reward_scorer(with_functions(("mine.scores:f", 1.0)), "cpu", "ppo", PROBE)
+    assert Path("package-ran").exists() and Path("module-ran").exists()
+    for name in ("mine.scores", "mine"):
+        del sys.modules[name]
+
+
+def test_a_missing_module_is_named(project_dir: Path) -> None:
+    for spec, missing in (("rewards.nothing:f", "rewards.nothing"), ("nothing.at.all:f", "nothing.at.all"),
+                          ("rewards.text.deeper:f", "rewards.text.deeper")):
+        with pytest.raises(RewardFunctionError, match=rf"^reward\.functions\[0\]: cannot import {missing} for {spec} "
+                                                      rf"\(ModuleNotFoundError: no module named '{missing}'\)$"):
+            make_reward_scorer(with_functions((spec, 1.0)), "cpu", "ppo", PROBE)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from rlhf.train.ppo_trainer import PPOTrainer
 
 
 class NanScorer(TokenShareScorer):
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+    def __call__(self, queries: list[str], responses: list[str], response_ids: object = None) -> torch.Tensor:
         scores = super().__call__(queries, responses)
         scores[0] = float("nan")
         return scores

@@ -3,7 +3,8 @@
 One row per experiment that ``dvc exp show`` lists (the workspace, HEAD and HEAD's experiments; other arguments go to
 ``dvc exp show``: ``-A``, ``--rev REV``, ``-n N``), the columns a review needs and no more: the method and its KL knob,
 the positive rate of the training reward and of every judge (reference -> policy), the KL, fluency and diversity of the
-policy, its training time, and the params that differ from the row's baseline commit. At most WIDTH characters wide
+policy, its training time and how busy the GPU was meanwhile, and the params that differ from the row's baseline
+commit. At most WIDTH characters wide
 (the changed params wrap). ``dvc exp show`` has every key; docs/stages.md says what each measures.
 """
 
@@ -23,11 +24,13 @@ from tools.presets import as_override, dvc, flatten
 
 WIDTH = 120
 JUDGE = re.compile(r"judge\.(.+)\.policy_positive_rate")
-TRAINED = {"ppo": "ppo.seconds", "dpo": "dpo.seconds"}  # each training method's wall time (best_of_n trains none)
+TRAINING = {"ppo": "ppo", "dpo": "dpo"}  # each training method's stage, whose metrics hold its wall time and system
+# use (best_of_n trains none)
 LEGEND = ("reward, {judges}: positive rate on the eval prompts, reference → policy (reward: the training reward; the "
           "others judge only). KL: mean sampled KL(policy || reference), nats (<=: best-of-N's bound). ppl: the "
           "reference's perplexity of the policy's responses. dist-2: distinct-2, unique / all bigrams of the "
-          "responses. train: seconds the method trained. changed: params that differ from the row's baseline commit.")
+          "responses. train: seconds the method trained. gpu: the share of that time the GPU was busy (- on CPU). "
+          "changed: params that differ from the row's baseline commit.")
 
 
 @dataclass
@@ -97,6 +100,16 @@ def rate(metrics: dict[str, Any], prefix: str) -> str:
     return "-" if after is None else f"{number(before, 2)}→{number(after, 2)}"
 
 
+def trained(row: Row, key: str) -> Any:
+    """``key`` of the training stage's metrics (``seconds``, ``system.gpu_busy``); None for best_of_n."""
+    stage = TRAINING.get(row.params.get("method"))
+    return None if stage is None else row.metrics.get(f"{stage}.{key}")
+
+
+def percent(value: Any) -> str:
+    return "-" if not isinstance(value, int | float) or isinstance(value, bool) else f"{value:.0%}"
+
+
 def kl(metrics: dict[str, Any]) -> str:
     bound = metrics.get("kl.best_of_n_bound")
     return f"<={bound:.2f}" if isinstance(bound, float) else number(metrics.get("kl.mean"), 2)
@@ -130,8 +143,9 @@ def columns(judges: list[str]) -> dict[str, Column]:
                       lambda r: r.metrics.get("fluency.ref_perplexity")),
         "distinct2": Column("dist-2", lambda r, b: number(r.metrics.get("diversity.distinct2"), 3),
                             lambda r: r.metrics.get("diversity.distinct2")),
-        "train": Column("train", lambda r, b: number(r.metrics.get(TRAINED.get(r.params.get("method"), "")), 0),
-                        lambda r: r.metrics.get(TRAINED.get(r.params.get("method"), ""))),
+        "train": Column("train", lambda r, b: number(trained(r, "seconds"), 0), lambda r: trained(r, "seconds")),
+        "gpu": Column("gpu", lambda r, b: percent(trained(r, "system.gpu_busy")),
+                      lambda r: trained(r, "system.gpu_busy")),
         "changed": Column("changed", changed),
     }
 
@@ -171,7 +185,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__.splitlines()[0],
                                      epilog="Other arguments go to dvc exp show (-A, --rev REV, -n N).")
     parser.add_argument("--sort-by", help="order each commit's experiments by a column: experiment, method, reward, "
-                                          "a judge's name, kl, ppl, distinct2, train")
+                                          "a judge's name, kl, ppl, distinct2, train, gpu")
     parser.add_argument("--sort-order", choices=["asc", "desc"], default="asc")
     parser.add_argument("--md", action="store_true", help="a Markdown table (no width limit, no legend)")
     args, dvc_args = parser.parse_known_args()

@@ -29,7 +29,7 @@ def sample_pairs(sampler: Sampler, prompts: Prompts, k: int, response_tokens: tu
     lengths = response_lengths(len(repeated), *response_tokens, torch.Generator().manual_seed(seed))
     run = sampler.run(repeated.input_ids, lengths, seed, desc="sample pairs")
     scores = torch.from_numpy(score_run({scorer.name: scorer}, repeated.queries, run.texts, sampler.batch_size,
-                                        desc="score pairs")[scorer.name])
+                                        "score pairs", run.response_ids)[scorer.name])
     prompt, chosen, rejected = preference_pairs(scores.view(-1, k))  # (M,) each
     chosen_rows, rejected_rows = (prompt * k + chosen).tolist(), (prompt * k + rejected).tolist()
     return pa.table({

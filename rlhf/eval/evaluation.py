@@ -163,7 +163,7 @@ def evaluate_policy(policy: PreTrainedModel | None, reference: PreTrainedModel, 
         else:
             runs[f"policy{suffix}"] = runs[f"reference{suffix}"] if suffix else best_of_n_run(
                 sampler, scorers[REWARD], prompts.queries, e.best_of_n, runs["reference"])
-    scores = {run: score_run(scorers, prompts.queries, r.texts, e.batch_size, f"score {run}")
+    scores = {run: score_run(scorers, prompts.queries, r.texts, e.batch_size, f"score {run}", r.response_ids)
               for run, r in runs.items()}
     stats = {"policy": response_stats(runs["policy"], reference, cfg.temperature, policy),
              "reference": response_stats(runs["reference"], reference, cfg.temperature)}

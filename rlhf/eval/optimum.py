@@ -43,19 +43,22 @@ def check_pool_memory(prompts: int, n: int, tokens: int) -> None:
 
 
 def draw_pool(reference: Sampler, query_ids: list[list[int]], lengths: list[int], n: int, seed: int) -> pd.DataFrame:
-    """``n`` responses of the reference to each prompt at its length: columns prompt, sample, response, length."""
+    """``n`` responses of the reference to each prompt at its length: columns prompt, sample, response, length, and
+    response_ids (their token ids, which ``score_pool`` passes to the reward functions and drops)."""
     run = reference.run([q for q in query_ids for _ in range(n)], [length for length in lengths for _ in range(n)],
                         seed, desc=f"sample {n} per prompt")
+    ids = run.response_ids
     return pd.DataFrame({"prompt": np.repeat(np.arange(len(query_ids)), n), "sample": np.tile(np.arange(n),
                                                                                                len(query_ids)),
-                         "response": run.texts, "length": [len(r) for r in run.response_ids]})
+                         "response": run.texts, "length": [len(r) for r in ids], "response_ids": ids})
 
 
 def score_pool(pool: pd.DataFrame, queries: list[str], scorers: dict[str, Scorer], batch_size: int) -> pd.DataFrame:
-    """The pool with one column of scores per scorer (``reward`` and each judge's name)."""
+    """The pool with one column of scores per scorer (``reward`` and each judge's name) and without its token ids."""
     scores = score_run(scorers, [queries[p] for p in pool["prompt"]], pool["response"].tolist(), batch_size,
-                       "score the pool")
-    return pool.assign(**{name: values.astype(np.float32) for name, values in scores.items()})
+                       "score the pool", pool["response_ids"].tolist())
+    return pool.drop(columns="response_ids").assign(**{name: values.astype(np.float32)
+                                                       for name, values in scores.items()})
 
 
 def round_beta(beta: float) -> float | None:

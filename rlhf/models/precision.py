@@ -4,6 +4,9 @@ head's matmuls on a vocabulary padded for the GPU's aligned kernels."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import os
 from collections.abc import Iterator
 
 import torch
@@ -11,9 +14,34 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from rlhf.models.devices import claim, lock_folder
+
+log = logging.getLogger(__name__)
+
 
 def pick_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """CUDA when present, else CPU. On CUDA a stage process holds one of the visible GPUs (CUDA_VISIBLE_DEVICES
+    chooses which are visible), one no other stage holds where there are several (rlhf/models/devices.py), and makes
+    it torch's current device; a stage launched as several processes (accelerate launch, torchrun: LOCAL_RANK set) is
+    its launcher's to place."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if "LOCAL_RANK" in os.environ or (index := claimed_gpu()) is None:
+        return torch.device("cuda")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+@functools.cache  # once per process: the lock, once taken, is this process's until it exits
+def claimed_gpu() -> int | None:
+    """The index (as this process numbers its visible GPUs) of the GPU this stage holds. With several visible: a free
+    one, waiting for one when all are held. With one (a single-GPU machine, or CUDA_VISIBLE_DEVICES naming one): it
+    is taken when free, so that other stages choose around it, and shared when not (None): there is no other."""
+    identities = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    index = claim(identities, lock_folder(), wait=len(identities) > 1)
+    if len(identities) > 1:
+        log.info("GPU %d of the %d visible (%s) is this stage's", index, len(identities), identities[index])
+    return index
 
 
 CPU_BF16_PROBES = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private torch.cpu functions

@@ -36,6 +36,12 @@ class Samples:
     def responses(self) -> torch.Tensor:
         return self.query_responses[:, self.context_length:]
 
+    @property
+    def response_ids(self) -> list[list[int]]:
+        """Each response's real token ids (EOS included), as lists: what a reward function gets as TRL's
+        ``completion_ids``."""
+        return [r[m].tolist() for r, m in zip(self.responses, self.response_mask, strict=True)]
+
     def __getitem__(self, idx: torch.Tensor) -> Samples:
         """The rows ``idx`` (a mini-batch)."""
         return Samples(self.query_responses[idx], self.attention_mask[idx], self.context_length,

@@ -28,7 +28,7 @@ class Run:
 
     @property
     def response_ids(self) -> list[list[int]]:
-        return [r[m].tolist() for s in self.batches for r, m in zip(s.responses, s.response_mask, strict=True)]
+        return [ids for samples in self.batches for ids in samples.response_ids]
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,15 @@ class Sampler:
 
 
 def score_run(scorers: dict[str, Scorer], queries: list[str], responses: list[str], batch_size: int,
-              desc: str) -> dict[str, np.ndarray]:
-    """Every scorer's (B,) scores of query + response."""
+              desc: str, response_ids: list[list[int]] | None = None) -> dict[str, np.ndarray]:
+    """Every scorer's (B,) scores of query + response (``response_ids``: the responses' token ids, for the reward
+    functions that ask for them)."""
     chunks: dict[str, list[torch.Tensor]] = {name: [] for name in scorers}
     for start in tqdm(range(0, len(queries), batch_size), desc=desc, unit="batch"):
         end = start + batch_size
+        ids = response_ids[start:end] if response_ids is not None else None
         for name, scorer in scorers.items():
-            chunks[name].append(scorer(queries[start:end], responses[start:end]))
+            chunks[name].append(scorer(queries[start:end], responses[start:end], ids))
     return {name: torch.cat(c).float().numpy() for name, c in chunks.items()}
 
 
@@ -68,7 +70,7 @@ def best_of_n_run(sampler: Sampler, scorer: Scorer, queries: list[str], n: int, 
     draws = [first] + [sampler.run(first.query_ids, first.lengths, first.seed + j, f"sample best-of-{n} draw {j}")
                        for j in range(1, n)]
     scores = torch.stack([torch.from_numpy(score_run({"best": scorer}, queries, draw.texts, sampler.batch_size,
-                                                     f"score best-of-{n} draw {j}")["best"])
+                                                     f"score best-of-{n} draw {j}", draw.response_ids)["best"])
                           for j, draw in enumerate(draws)], 1)  # (P, n)
     best = best_of_n(scores)  # (P,)
     batches, start = [], 0

@@ -1,19 +1,22 @@
-"""Reward scorers behind one interface: (query texts, response texts) -> (B,) float32 scores on the CPU."""
+"""Reward scorers behind one interface: (query texts, response texts[, the responses' token ids]) -> (B,) float32
+scores on the CPU. Only the reward functions read the ids (TRL's ``completion_ids``); the models score the texts."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 from transformers import PretrainedConfig
 
 from rlhf.models.loading import context_size, load_config, load_sequence_classifier, load_tokenizer
-from rlhf.models.reward_functions import RewardFunction, load_functions
+from rlhf.models.reward_functions import Probe, RewardFunction, load_functions
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import REWARD_DIR
 from rlhf.pipeline.sections import ModelParams, judge_name
+from rlhf.pipeline.wiring import wiring
 
 REWARD = "reward"  # the training reward's name among the scorers (evaluation, the optimum)
 VADER_POSITIVE = 0.05
@@ -27,10 +30,13 @@ def positive_threshold(scorer: str) -> float:
     return VADER_POSITIVE if scorer == VaderScorer.name else LOGIT_POSITIVE
 
 
+ResponseIds = Sequence[Sequence[int]] | None  # each response's token ids (EOS included), where the caller has them
+
+
 class Scorer(Protocol):
     name: str
 
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor: ...
+    def __call__(self, queries: list[str], responses: list[str], response_ids: ResponseIds = None) -> torch.Tensor: ...
 
 
 class ClassifierScorer:
@@ -53,7 +59,7 @@ class ClassifierScorer:
         self.device, self.batch_size = torch.device(device), batch_size
 
     @torch.no_grad()
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+    def __call__(self, queries: list[str], responses: list[str], response_ids: ResponseIds = None) -> torch.Tensor:
         texts = [q + r for q, r in zip(queries, responses, strict=True)]
         scores = []
         for i in range(0, len(texts), self.batch_size):
@@ -113,7 +119,7 @@ class VaderScorer:
 
         self.analyzer = SentimentIntensityAnalyzer()
 
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+    def __call__(self, queries: list[str], responses: list[str], response_ids: ResponseIds = None) -> torch.Tensor:
         return torch.tensor([self.analyzer.polarity_scores(q + r)["compound"]
                              for q, r in zip(queries, responses, strict=True)], dtype=torch.float32)
 
@@ -135,10 +141,10 @@ class RewardScorer:
         self.model, self.functions = model, functions
         self.name = model.name if model is not None else REWARD
 
-    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+    def __call__(self, queries: list[str], responses: list[str], response_ids: ResponseIds = None) -> torch.Tensor:
         total = self.model(queries, responses) if self.model is not None else torch.zeros(len(responses))
         for function in self.functions:
-            total = total + function.weight * function(queries, responses)
+            total = total + function.weight * function(queries, responses, response_ids)
         return total
 
 
@@ -159,13 +165,14 @@ def describe_reward(params: Params) -> str:
     return " + ".join(parts)
 
 
-def make_reward_scorer(params: Params, device: torch.device | str, stage: str, probe: list[str],
+def make_reward_scorer(params: Params, device: torch.device | str, stage: str, probe: Probe,
                        max_tokens: int | None = None) -> Scorer:
     """The training reward of ``stage`` (ppo, sample_pairs, evaluate, optimum). Its reward functions load first and are
-    called once on ``probe`` (a few of the stage's prompts: rlhf/models/reward_functions.py), then the model's
+    called once on a few of ``probe``'s prompts (the stage's: rlhf/models/reward_functions.py), then the model's
     config is checked before its weights load (it must hold ``max_tokens`` positions): a broken function or model
     fails before anything else is done."""
-    functions = load_functions(params.reward.functions, stage, probe)
+    deps = wiring(stage).deps if params.reward.functions else ()
+    functions = load_functions(params.reward.functions, probe, stage, deps)
     path, what = reward_model_path(params)
     model = make_scorer(path, params, device, what, max_tokens) if path is not None else None
     return RewardScorer(model, functions) if functions else model

@@ -172,7 +172,8 @@ def _module_callable(value: str) -> str:
 
 class RewardFunctionParams(Section):
     function: Annotated[str, AfterValidator(_module_callable)]
-    """'module:callable', called as f(queries, responses) with two lists of strings, returning one float per
+    """'module:callable', called as f(queries, responses) with two lists of strings, or by TRL's convention,
+    f(prompts=, completions=, completion_ids=, **kwargs) (docs/ppo.md#reward-functions), returning one float per
     response; the module importable from the project root (rewards/text.py is rewards.text) or installed."""
     weight: float
     """Its weight in the training reward."""

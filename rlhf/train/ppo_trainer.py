@@ -142,7 +142,7 @@ class PPOTrainer:
     def score(self, samples: Samples, queries: list[str], responses: list[str], step: int) -> torch.Tensor | None:
         """(B,) scores after the EOS penalty and score scaling; None where ppo.nan_policy skips a NaN/inf score."""
         cfg = self.cfg
-        raw_scores = self.scorer(queries, responses).to(self.device)
+        raw_scores = self.scorer(queries, responses, samples.response_ids).to(self.device)
         if not self.finite(raw_scores, step, "score", "the reward scorer returned NaN/inf"):
             return None
         scores = ppo.apply_missing_eos_penalty(raw_scores, samples.has_eos, cfg.missing_eos_penalty)
