@@ -1,10 +1,12 @@
 """The shared training loop on a tiny regression: it learns, an interrupted run resumes to the uninterrupted result,
-gradients accumulate over micro-batches, and a NaN loss stops naming the section's learning rate."""
+gradients accumulate over micro-batches, a NaN loss stops naming its step and the section's learning rate, and the
+loop reads nothing back from the device but every READ_EVERY steps' losses at once."""
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 from rlhf.pipeline.errors import TrainingError
 from rlhf.train.batches import RandomBatches, ShuffledBatches
-from rlhf.train.fit import FitPlan, fit
+from rlhf.train.fit import READ_EVERY, FitPlan, fit
 
 X = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
 Y = X @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(1))
@@ -86,3 +88,57 @@ def test_a_nan_loss_stops_naming_the_learning_rate(tmp_path: Path, monkeypatch: 
     plan = FitPlan("reward", steps=3, learning_rate=0.1, warmup_steps=0, max_grad_norm=1.0)
     with pytest.raises(TrainingError, match=r"^step 0: reward loss is NaN/inf \(lower reward.learning_rate\)$"):
         fit(net, net.parameters(), regression(net), RandomBatches(64, 8, torch.Generator()), plan)
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+"""The tensor methods that copy a value to the host, each waiting for the device to finish the work queued before."""
+
+
+def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """From now on, how often each of HOST_READS is called (calling through to torch's own)."""
+    counts: Counter = Counter()
+
+    def counting(name: str):
+        method = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args, **kwargs):
+            counts[name] += 1
+            return method(self, *args, **kwargs)
+
+        return counted
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    return counts
+
+
+def test_the_loop_reads_the_device_once_every_read_every_steps(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    net, steps = model(), 2 * READ_EVERY + 5
+    plan = FitPlan("sft", steps=steps, learning_rate=0.1, warmup_steps=2, max_grad_norm=1.0, accumulation_steps=2)
+    batches = RandomBatches(64, 8, torch.Generator().manual_seed(0))
+    reads = count_host_reads(monkeypatch)
+    result = fit(net, net.parameters(), regression(net), batches, plan)
+    monkeypatch.undo()
+    # the losses of READ_EVERY steps, READ_EVERY steps more, and the last 5: three reads, none in between
+    assert reads == {"tolist": 3}
+    assert len(result.losses) == steps and result.losses[-1] < result.losses[0] / 10
+
+
+def test_a_nan_read_later_names_its_own_step_and_keeps_no_checkpoint_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    net, calls = model(), []
+    finite = regression(net)
+
+    def loss(idx: torch.Tensor) -> torch.Tensor:
+        calls.append(idx)
+        value = finite(idx)
+        return value * float("nan") if len(calls) == 11 else value  # step 5's first micro-batch of 2
+
+    with pytest.raises(TrainingError, match=r"^step 5: sft loss is NaN/inf \(lower sft.learning_rate\)$"):
+        fit(net, net.parameters(), loss, RandomBatches(64, 8, torch.Generator().manual_seed(2)), PLAN)
+    # checkpoints come every 4 steps: after step 3, and none after step 7, whose weights the NaN had reached
+    assert [p.name for p in (tmp_path / "data/checkpoints/sft").iterdir()] == ["step-000003"]
+
