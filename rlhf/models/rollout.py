@@ -90,8 +90,9 @@ def generate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids:
 
 
 def decode_responses(tokenizer: PreTrainedTokenizerBase, samples: Samples) -> list[str]:
-    return [tokenizer.decode(r[m], skip_special_tokens=True)
-            for r, m in zip(samples.responses, samples.response_mask, strict=True)]
+    # one copy to the host: picking each row's tokens on the GPU would wait for it twice a row
+    responses, mask = samples.responses.cpu(), samples.response_mask.cpu()
+    return [tokenizer.decode(r[m], skip_special_tokens=True) for r, m in zip(responses, mask, strict=True)]
 
 
 @dataclass

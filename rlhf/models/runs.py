@@ -28,7 +28,8 @@ class Run:
 
     @property
     def response_ids(self) -> list[list[int]]:
-        return [r[m].tolist() for s in self.batches for r, m in zip(s.responses, s.response_mask, strict=True)]
+        return [r[m].tolist() for s in self.batches  # a batch copied to the host at once, not a row at a time
+                for r, m in zip(s.responses.cpu(), s.response_mask.cpu(), strict=True)]
 
 
 @dataclass(frozen=True)
