@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import count_host_reads
 
 from rlhf.pipeline.errors import ParamsError, TrainingError
 from rlhf.train.batches import RandomBatches, ShuffledBatches
@@ -88,28 +88,6 @@ def test_a_nan_loss_stops_naming_the_learning_rate(tmp_path: Path, monkeypatch: 
     plan = FitPlan("reward", steps=3, learning_rate=0.1, warmup_steps=0, max_grad_norm=1.0)
     with pytest.raises(TrainingError, match=r"^step 0: reward loss is NaN/inf \(lower reward.learning_rate\)$"):
         fit(net, net.parameters(), regression(net), RandomBatches(64, 8, torch.Generator()), plan)
-
-
-HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
-"""The tensor methods that copy a value to the host, each waiting for the device to finish the work queued before."""
-
-
-def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> Counter:
-    """From now on, how often each of HOST_READS is called (calling through to torch's own)."""
-    counts: Counter = Counter()
-
-    def counting(name: str):
-        method = getattr(torch.Tensor, name)
-
-        def counted(self: torch.Tensor, *args, **kwargs):
-            counts[name] += 1
-            return method(self, *args, **kwargs)
-
-        return counted
-
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, counting(name))
-    return counts
 
 
 def test_the_loop_reads_the_device_once_every_read_every_steps(tmp_path: Path,

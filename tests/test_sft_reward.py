@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import set_params
-from helpers import run_cli, signal_pairs
+from helpers import count_host_reads, run_cli, signal_pairs
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.data.pairs import read_pairs
@@ -92,7 +92,8 @@ def structured_blocks(n: int, length: int, seed: int = 0) -> torch.Tensor:
 def test_the_scratch_model_attends_through_sdpa_with_no_mask_tensor(tokenizer_dir: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """What makes SDPA's flash kernels eligible on CUDA (bf16 inputs aside): no mask tensor, ``is_causal`` instead,
-    eagerly and in the graph torch.compile traces of the loss (one graph, no break)."""
+    eagerly and in the graph torch.compile traces of the loss (one graph, no break); and the forward reads nothing
+    back from the device (transformers does, to look for packed sequences, in a forward without a KV cache)."""
     params = tiny_params(tokenizer_dir)
     lm = sft.scratch_model(params.sft, VOCAB, 0)
     assert lm.config._attn_implementation == "sdpa"
@@ -100,8 +101,10 @@ def test_the_scratch_model_attends_through_sdpa_with_no_mask_tensor(tokenizer_di
     original = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *args, **kwargs: calls.append(kwargs) or original(*args, **kwargs))
+    reads = count_host_reads(monkeypatch)
     sft.next_token_loss(lm, blocks, "bf16")
     monkeypatch.undo()
+    assert not reads
     assert len(calls) == params.sft.n_layer
     assert all(call["attn_mask"] is None and call["is_causal"] for call in calls)
     traced = torch._dynamo.explain(sft.next_token_loss)(lm, blocks, "bf16")

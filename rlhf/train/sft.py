@@ -86,7 +86,10 @@ def next_token_loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str = "
     fuses into a few passes over the logits with no fp32 copy either (its row-chunk loop would only split them).
     """
     with autocast(batch.device, precision):
-        hidden = lm.base_model(input_ids=batch).last_hidden_state[:, :-1]
+        # use_cache (GPT-2's default; the cache only holds what backward keeps anyway): without a cache, transformers
+        # checks the positions for packed sequences, a host wait per forward eagerly and, under torch.compile, a mask
+        # tensor in place of is_causal, which rules out SDPA's flash kernels
+        hidden = lm.base_model(input_ids=batch, use_cache=True).last_hidden_state[:, :-1]
         logits = head_logits(lm.get_output_embeddings(), hidden)  # (B, T - 1, V)
     if torch.compiler.is_compiling():
         return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
