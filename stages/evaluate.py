@@ -76,9 +76,10 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
 
     # every scorer and model loads (or fails naming its key) before any sampling
     longest = prompts.longest + params.ppo.response_max_tokens  # what each scorer reads at most
-    scorers = {REWARD: make_reward_scorer(params, device, STAGE, prompts, longest)}
+    scorers = {REWARD: make_reward_scorer(params, device, STAGE, prompts, longest, params.evaluate.batch_size)}
     for i, (name, spec) in enumerate(zip(names, params.evaluate.judges, strict=True)):
-        scorers[name] = make_scorer(spec, params, device, f"evaluate.judges[{i}]", longest)
+        scorers[name] = make_scorer(spec, params, device, f"evaluate.judges[{i}]", longest,
+                                    params.evaluate.batch_size)
     reference, tokenizer, what = load_initial_policy(params)
     reference.to(device).eval()
     policy = load_policy(params, tokenizer)

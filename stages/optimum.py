@@ -67,9 +67,10 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     seed_everything(params.seed)
     # every scorer and the reference load (or fail naming their key) before any sampling
     longest = prompts.longest + cfg.response_max_tokens  # what each scorer reads at most
-    scorers = {REWARD: make_reward_scorer(params, device, STAGE, prompts, longest)}
+    scorers = {REWARD: make_reward_scorer(params, device, STAGE, prompts, longest, params.evaluate.batch_size)}
     for i, (name, spec) in enumerate(zip(params.evaluate.judge_names, params.evaluate.judges, strict=True)):
-        scorers[name] = make_scorer(spec, params, device, f"evaluate.judges[{i}]", longest)
+        scorers[name] = make_scorer(spec, params, device, f"evaluate.judges[{i}]", longest,
+                                    params.evaluate.batch_size)
     reference, tokenizer, what = load_initial_policy(params)
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, cfg.response_max_tokens, f"the reference ({what})")
     reference.to(device).eval()

@@ -47,6 +47,7 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.models.loading import check_vocab_match, load_tokenizer, save_pretrained
     from rlhf.models.precision import pick_device
     from rlhf.train.checkpoint import weights_bytes
+    from rlhf.train.fit import compiles
     from rlhf.train.rng import seed_everything
     from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
     from rlhf.train.system_use import SystemUse
@@ -57,6 +58,8 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     tokenizer = load_tokenizer(tokenizer_path, params.model, what="model.tokenizer")
     lm = build_model(params, tokenizer)
     check_vocab_match(tokenizer, lm, "model.tokenizer")
+    device = pick_device()
+    compiles(s.compile, device, "sft.compile")  # one that cannot run fails here, before the text is tokenized
     outputs.check_free_space(SFT_DIR, weights_bytes(lm))
 
     splits = load_imdb(params.data.source, params.data.revision, [*s.splits, "test"])
@@ -66,7 +69,6 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     test = filter_reviews(splits["test"], 0, f"{params.data.source} [test]")
     held_out = pack(test["text"].iloc[rng.permutation(len(test))[: s.eval_reviews]], tokenizer, s.block_size, None)
 
-    device = pick_device()
     lm.to(device)
     with SystemUse(device) as system:
         result = train(lm, blocks, params, device, generator)

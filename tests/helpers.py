@@ -10,10 +10,12 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 from conftest import set_params
 
@@ -188,3 +190,25 @@ def make_rollout(trainer: PPOTrainer, query_ids: list[list[int]], queries: list[
     """Steps 1-5 of an iteration (generate, score, make the experience), as ``PPOTrainer.step`` runs them."""
     samples, queries, responses = trainer.generate(query_ids, queries)
     return trainer.make_experience(samples, queries, responses, trainer.score(samples, queries, responses, step=0))
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+"""The tensor methods that copy a value to the host, each waiting for the device to finish the work queued before."""
+
+
+def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """From now on, how often each of HOST_READS is called (calling through to torch's own)."""
+    counts: Counter = Counter()
+
+    def counting(name: str):
+        method = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args, **kwargs):
+            counts[name] += 1
+            return method(self, *args, **kwargs)
+
+        return counted
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    return counts

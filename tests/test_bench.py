@@ -213,8 +213,9 @@ def test_logprob_error_puts_fp32_at_float64_and_a_bf16_head_furthest(tiny_gpt2_d
 
 def test_sft_step_times_both_losses_on_the_same_model_and_batch(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(Path(__file__).parents[1])  # presets/ and params.yaml
-    result = run_main(sft_step, ["--preset", "offline-cpu", "--batch-size", "2", "--iters", "1", "--threads", "1"],
-                      monkeypatch, capsys)
+    # the compiled runners compile for a minute on a CPU: tests/test_sft_reward.py checks the compiled step
+    result = run_main(sft_step, ["--preset", "offline-cpu", "--batch-size", "2", "--iters", "1", "--threads", "1",
+                                 "--runners", "ours,hf"], monkeypatch, capsys)
     ours, hf = result["results"]["ours"], result["results"]["hf"]
     assert (result["batch_size"], result["block_size"]) == (2, 64)
     assert ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0

@@ -171,6 +171,16 @@ for model in (lm, llama):
     assert "deprecated" not in result.stderr, result.stderr
 
 
+def steps_without_waiting(decoder: StaticDecoder | GraphedDecoder, steps: int) -> None:
+    """``steps`` decoding steps under CUDA's sync debug mode "error": a step that waited for the GPU would raise."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            decoder.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; the eager step they "
                                                           "capture is tested above")
 @pytest.mark.parametrize("model", ["lm", "lora_lm"])
@@ -192,12 +202,7 @@ def test_the_cuda_graph_replays_the_eager_static_step(model: str, name: str, req
                         graphed.step()
                     eager = StaticDecoder(gpu, len(queries), slots, greedy, trim=False)  # the graph's shapes
                     eager.start(queries, mask)
-                    torch.cuda.set_sync_debug_mode("error")  # a step that waited for the GPU would raise
-                    try:
-                        for _ in range(NEW_TOKENS - 1):
-                            eager.step()
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
+                    steps_without_waiting(eager, NEW_TOKENS - 1)
                 # the sampled tokens, from slot P on: the slots before P are never written, and the reused
                 # graph's still hold an earlier batch's tokens
                 P = queries.shape[1]
@@ -205,6 +210,40 @@ def test_the_cuda_graph_replays_the_eager_static_step(model: str, name: str, req
             assert graphed_decoder(gpu, len(queries), queries.shape[1] + NEW_TOKENS, greedy) is graphed
             sampled = seeded(0, decode, gpu, queries, mask, NEW_TOKENS, SamplingParams())
             assert sampled.shape == (len(queries), NEW_TOKENS) and sampled.max() < gpu.config.vocab_size
+    finally:
+        lm.to("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; the eager step's draws "
+                                                          "are tested above")
+@pytest.mark.parametrize("name", PRECISIONS)
+def test_the_cuda_graph_draws_each_token_itself_as_the_eager_step_does(lm: PreTrainedModel, name: str) -> None:
+    """The draw is part of the captured step: every replay takes fresh uniforms from the default CUDA generator (torch
+    registers it with each graph it captures), the very ones the eager step takes for the same seed, and no replay
+    waits for the GPU. A graph that replayed its capture's uniforms would draw other tokens than the eager step."""
+    gpu = lm.to("cuda")
+    sampling = SamplingParams()  # the whole distribution: a draw, not an argmax
+    try:
+        with precision(name, "cuda"), torch.no_grad():
+            queries, mask = (t.cuda() for t in prompts(gpu, seed=4))
+            P = queries.shape[1]
+            graphed = graphed_decoder(gpu, len(queries), P + NEW_TOKENS, sampling)
+            assert isinstance(graphed, GraphedDecoder)
+            graphed.start(queries, mask)
+            graphed.step()  # the first step after a capture is checked against an eager one, drawing twice
+            draws = []
+            for seed in (0, 0, 1):
+                torch.manual_seed(seed)
+                graphed.start(queries, mask)
+                steps_without_waiting(graphed, NEW_TOKENS - 1)
+                draws.append(graphed.tokens[:, P: P + NEW_TOKENS].clone())
+            eager = StaticDecoder(gpu, len(queries), graphed.tokens.shape[1], sampling, trim=False)  # its shapes
+            torch.manual_seed(0)
+            eager.start(queries, mask)
+            for _ in range(NEW_TOKENS - 1):
+                eager.step()
+        assert torch.equal(draws[0], eager.tokens[:, P: P + NEW_TOKENS])
+        assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
     finally:
         lm.to("cpu")
 

@@ -1,5 +1,6 @@
 """The shared training loop on a tiny regression: it learns, an interrupted run resumes to the uninterrupted result,
-gradients accumulate over micro-batches, and a NaN loss stops naming the section's learning rate."""
+gradients accumulate over micro-batches, a NaN loss stops naming its step and the section's learning rate, and the
+loop reads nothing back from the device but every READ_EVERY steps' losses at once."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, set_params
+from helpers import count_host_reads
 
-from rlhf.pipeline.errors import PipelineError, TrainingError
+from rlhf.pipeline.errors import ParamsError, PipelineError, TrainingError
 from rlhf.pipeline.params import load_params
 from rlhf.train.batches import RandomBatches, ShuffledBatches
-from rlhf.train.fit import FitPlan, fit
+from rlhf.train.fit import READ_EVERY, FitPlan, compile_problem, compiles, fit
 
 X = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
 Y = X @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(1))
@@ -111,3 +113,45 @@ def test_params_changed_mid_run_stop_it_at_the_next_checkpoint(tmp_path: Path,
         fit(net, net.parameters(), regression(net), RandomBatches(64, 8, torch.Generator().manual_seed(2)), PLAN,
             after_step=edit_at_step_5)
     assert steps == list(range(8)) and [p.name for p in Path("data/checkpoints/sft").iterdir()] == ["step-000007"]
+
+
+def test_the_loop_reads_the_device_once_every_read_every_steps(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    net, steps = model(), 2 * READ_EVERY + 5
+    plan = FitPlan("sft", steps=steps, learning_rate=0.1, warmup_steps=2, max_grad_norm=1.0, accumulation_steps=2)
+    batches = RandomBatches(64, 8, torch.Generator().manual_seed(0))
+    reads = count_host_reads(monkeypatch)
+    result = fit(net, net.parameters(), regression(net), batches, plan)
+    monkeypatch.undo()
+    # the losses of READ_EVERY steps, READ_EVERY steps more, and the last 5: three reads, none in between
+    assert reads == {"tolist": 3}
+    assert len(result.losses) == steps and result.losses[-1] < result.losses[0] / 10
+
+
+def test_a_nan_read_later_names_its_own_step_and_keeps_no_checkpoint_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    net, calls = model(), []
+    finite = regression(net)
+
+    def loss(idx: torch.Tensor) -> torch.Tensor:
+        calls.append(idx)
+        value = finite(idx)
+        return value * float("nan") if len(calls) == 11 else value  # step 5's first micro-batch of 2
+
+    with pytest.raises(TrainingError, match=r"^step 5: sft loss is NaN/inf \(lower sft.learning_rate\)$"):
+        fit(net, net.parameters(), loss, RandomBatches(64, 8, torch.Generator().manual_seed(2)), PLAN)
+    # checkpoints come every 4 steps: after step 3, and none after step 7, whose weights the NaN had reached
+    assert [p.name for p in (tmp_path / "data/checkpoints/sft").iterdir()] == ["step-000003"]
+
+
+def test_compile_auto_is_cuda_only_and_a_true_that_cannot_run_names_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [compiles(setting, cpu, "sft.compile") for setting in ("auto", True, False)] == [False, True, False]
+    assert compiles("auto", cuda, "sft.compile") is (compile_problem(cuda) is None)
+    monkeypatch.setattr("rlhf.train.fit.compile_problem", lambda device: "no Triton")
+    assert compiles("auto", cuda, "sft.compile") is False  # eager, with a warning
+    assert compiles(False, cpu, "sft.compile") is False
+    with pytest.raises(ParamsError, match=r"^sft.compile: true, but torch.compile cannot run here \(no Triton\)"):
+        compiles(True, cpu, "sft.compile")

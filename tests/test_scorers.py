@@ -11,7 +11,7 @@ from conftest import build_tiny_classifier
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rlhf.models.scorers import ClassifierScorer, VaderScorer, judge_name, make_reward_scorer
+from rlhf.models.scorers import ClassifierScorer, VaderScorer, judge_name, make_reward_scorer, make_scorer
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.params import defaults
 
@@ -33,6 +33,20 @@ def test_positive_logit_of_a_sentiment_classifier(tiny_classifier_dir: Path, bat
     scorer = ClassifierScorer(str(tiny_classifier_dir), defaults().model, batch_size=batch_size)
     expected = reference_logits(tiny_classifier_dir)[:, 1]  # id2label {0: NEGATIVE, 1: POSITIVE}
     assert torch.allclose(scorer(QUERIES, RESPONSES), expected, atol=1e-5)
+
+
+def test_a_stage_s_batch_size_reaches_the_reward_model_and_the_judges(tiny_classifier_dir: Path) -> None:
+    """evaluate scores evaluate.batch_size texts a forward pass (on a GPU: few, large launches), the same scores."""
+    params = defaults().model_copy(update={"reward": defaults().reward.model_copy(
+        update={"model": str(tiny_classifier_dir)})})
+    reward = make_reward_scorer(params, "cpu", "evaluate", QUERIES, batch_size=3)
+    judge = make_scorer(str(tiny_classifier_dir), params, "cpu", "evaluate.judges[0]", batch_size=3)
+    rows = []
+    reward.model.register_forward_hook(lambda module, args, kwargs, out: rows.append(len(kwargs["input_ids"])),
+                                       with_kwargs=True)
+    scores = reward(QUERIES, RESPONSES)
+    assert rows == [3, 1] and judge.batch_size == 3
+    assert torch.allclose(scores, reference_logits(tiny_classifier_dir)[:, 1], atol=1e-5)
 
 
 def test_positive_label_is_looked_up_by_name(tmp_path: Path, tokenizer_dir: Path) -> None:

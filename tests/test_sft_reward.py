@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 from conftest import set_params
-from helpers import run_cli, signal_pairs
+from helpers import count_host_reads, run_cli, signal_pairs
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.data.pairs import read_pairs
@@ -18,6 +19,7 @@ from rlhf.models.loading import load_tokenizer
 from rlhf.pipeline.errors import DataError, ModelError, ParamsError
 from rlhf.pipeline.params import Params, defaults, parse_params
 from rlhf.train import reward_model, sft
+from rlhf.train.fit import READ_EVERY
 from stages import reward
 
 CPU = torch.device("cpu")
@@ -27,7 +29,7 @@ def tiny_params(tokenizer_dir: Path, **sft_overrides: object) -> Params:
     p = defaults()
     s = p.sft.model_copy(update=dict(enabled=True, n_layer=2, n_embd=32, n_head=2, n_positions=64, block_size=32,
                                      batch_size=8, max_tokens=8 * 32 * 60, learning_rate=3e-3, warmup_steps=5,
-                                     checkpoint_every=0, **sft_overrides))  # unit tests write no checkpoints
+                                     checkpoint_every=0) | sft_overrides)  # unit tests write no checkpoints
     r = p.reward.model_copy(update=dict(train=True, batch_size=16, learning_rate=1e-3, epochs=3, max_length=32,
                                         checkpoint_every=0))
     return p.model_copy(update=dict(model=p.model.model_copy(update={"tokenizer": str(tokenizer_dir)}), sft=s,
@@ -75,6 +77,100 @@ def test_next_token_loss_and_its_gradient_are_hugging_face_s(tiny_gpt2_dir: Path
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-5)
     for mine, p in zip(our_grads, lm.parameters(), strict=True):
         torch.testing.assert_close(mine, p.grad, rtol=1e-3, atol=1e-6)
+
+
+VOCAB = 400  # the tiny tokenizer's size, about
+
+
+def structured_blocks(n: int, length: int, seed: int = 0) -> torch.Tensor:
+    """(n, length) blocks of counting runs (each token the one before plus 1) from random starts: a next-token
+    signal a model learns in a few steps, so the loss moves and a misplaced label would show."""
+    starts = torch.randint(0, VOCAB, (n, 1), generator=torch.Generator().manual_seed(seed))
+    return (starts + torch.arange(length)) % VOCAB
+
+
+def test_the_scratch_model_attends_through_sdpa_with_no_mask_tensor(tokenizer_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """What makes SDPA's flash kernels eligible on CUDA (bf16 inputs aside): no mask tensor, ``is_causal`` instead,
+    eagerly and in the graph torch.compile traces of the loss (one graph, no break); and the forward reads nothing
+    back from the device (transformers does, to look for packed sequences, in a forward without a KV cache)."""
+    params = tiny_params(tokenizer_dir)
+    lm = sft.scratch_model(params.sft, VOCAB, 0)
+    assert lm.config._attn_implementation == "sdpa"
+    blocks, calls = structured_blocks(2, 16), []
+    original = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(kwargs) or original(*args, **kwargs))
+    reads = count_host_reads(monkeypatch)
+    sft.next_token_loss(lm, blocks, "bf16")
+    monkeypatch.undo()
+    assert not reads
+    assert len(calls) == params.sft.n_layer
+    assert all(call["attn_mask"] is None and call["is_causal"] for call in calls)
+    traced = torch._dynamo.explain(sft.next_token_loss)(lm, blocks, "bf16")
+    assert (traced.graph_count, traced.graph_break_count) == (1, 0)
+    attention = [node.kwargs for node in traced.graphs[0].graph.nodes
+                 if node.target is torch._C._nn.scaled_dot_product_attention]
+    assert len(attention) == params.sft.n_layer
+    assert all(kwargs["attn_mask"] is None and kwargs["is_causal"] for kwargs in attention)
+
+
+def train_tiny(params: Params, compile_setting: bool, device: torch.device) -> tuple[list[float], list[torch.Tensor]]:
+    """sft.train from one seeded init on structured blocks: (its losses, each weight's change)."""
+    params = params.model_copy(update={"sft": params.sft.model_copy(update={"compile": compile_setting})})
+    torch.manual_seed(0)
+    lm = sft.scratch_model(params.sft, VOCAB, 0).to(device)
+    initial = [p.detach().clone() for p in lm.parameters()]
+    result = sft.train(lm, structured_blocks(64, params.sft.block_size), params, device,
+                       torch.Generator().manual_seed(0))
+    return result.losses, [(p.detach() - p0).cpu() for p, p0 in zip(lm.parameters(), initial, strict=True)]
+
+
+@pytest.mark.slow
+def test_the_compiled_sft_step_trains_as_the_eager_one(tokenizer_dir: Path) -> None:
+    """fp32, 4 steps. Compiled and eager compute the same sums in other orders (fused reductions): float rounding,
+    which moves a loss by ~1e-7 relative (rel 1e-5 is 30x the largest seen) and all the weights' changes together by
+    ~1e-5 of their size (1e-3 is 50x it). A few single weights differ more: those whose exact gradient is 0 or nearly
+    (a key bias: softmax ignores a shift shared by every key), where AdamW's m / sqrt(v) turns rounding noise into a
+    move of up to the learning rate; so no bound per weight. A gradient that differs in kind (a missed or extra term)
+    changes the weights' moves by order 1."""
+    params = tiny_params(tokenizer_dir, max_tokens=8 * 32 * 4, warmup_steps=1, learning_rate=1e-3)
+    params = params.model_copy(update={"model": params.model.model_copy(update={"precision": "fp32"})})
+    eager_losses, eager_moves = train_tiny(params, False, CPU)
+    compiled_losses, compiled_moves = train_tiny(params, True, CPU)
+    assert compiled_losses == pytest.approx(eager_losses, rel=1e-5)
+    assert eager_losses[-1] < eager_losses[0]
+    eager, compiled = torch.cat([m.flatten() for m in eager_moves]), torch.cat([m.flatten() for m in compiled_moves])
+    assert (compiled - eager).norm() <= 1e-3 * eager.norm()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's host syncs and bf16 kernels need a GPU; the "
+                                                          "loop's reads and the compiled step are tested on CPU")
+def test_on_cuda_sft_waits_for_the_gpu_only_to_read_losses_and_compiles_to_eager_s_losses(tokenizer_dir: Path) -> None:
+    """bf16 (model.precision auto). Eagerly, the only waits in sft.train are fit's reads of READ_EVERY steps' losses
+    (torch flags every synchronizing call in its "warn" mode). Compiled, the losses are eager's to bf16 rounding: 8
+    significant bits, rounded at other points where kernels are fused (fp32 kept inside), ~1e-3 of a tiny model's
+    loss; rel 1e-2 is 10x that."""
+    cuda, steps = torch.device("cuda"), READ_EVERY + 2
+    params = tiny_params(tokenizer_dir, max_tokens=8 * 32 * steps, warmup_steps=1, learning_rate=1e-3)
+    blocks, losses = structured_blocks(64, params.sft.block_size), {}
+    for setting in (False, True):
+        run = params.model_copy(update={"sft": params.sft.model_copy(update={"compile": setting})})
+        torch.manual_seed(0)
+        lm = sft.scratch_model(run.sft, VOCAB, 0).to(cuda)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn" if not setting else "default")  # compiling benchmarks kernels: waits
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses[setting] = sft.train(lm, blocks, run, cuda, torch.Generator().manual_seed(0)).losses
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if not setting:
+            waits = [w for w in caught if "synchronizing" in str(w.message)]
+            assert len(waits) == math.ceil(steps / READ_EVERY), [str(w.message) for w in waits]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-2)
+    assert losses[False][-1] < losses[False][0]
 
 
 @pytest.mark.slow

@@ -40,12 +40,25 @@ class Samples:
     def response_ids(self) -> list[list[int]]:
         """Each response's real token ids (EOS included), as lists: what a reward function gets as TRL's
         ``completion_ids``."""
-        return [r[m].tolist() for r, m in zip(self.responses, self.response_mask, strict=True)]
+        return real_rows(self.responses, self.response_mask)
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        """Each prompt's real token ids (its left padding dropped), as lists."""
+        P = self.context_length
+        return real_rows(self.query_responses[:, :P], self.attention_mask[:, :P].bool())
 
     def __getitem__(self, idx: torch.Tensor) -> Samples:
         """The rows ``idx`` (a mini-batch)."""
         return Samples(self.query_responses[idx], self.attention_mask[idx], self.context_length,
                        self.response_mask[idx], self.has_eos[idx])
+
+
+def real_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """The tokens ``mask`` keeps of each row, as lists: one copy to the host (picking each row's tokens on the GPU
+    would wait for it twice a row)."""
+    ids, mask = ids.cpu(), mask.cpu()
+    return [row[keep].tolist() for row, keep in zip(ids, mask, strict=True)]
 
 
 def response_lengths(n: int, min_tokens: int, max_tokens: int, generator: torch.Generator) -> list[int]:
@@ -99,11 +112,7 @@ def generate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, query_ids:
 def decode_responses(tokenizer: PreTrainedTokenizerBase, samples: Samples) -> list[str]:
     """The text of each response, as a scorer reads it after its prompt's text (``texts.response_texts``: a
     character the prompt's last tokens cut is the response's)."""
-    P = samples.context_length
-    prompts = [q[m].tolist() for q, m in zip(samples.query_responses[:, :P], samples.attention_mask[:, :P].bool(),
-                                              strict=True)]
-    responses = [r[m].tolist() for r, m in zip(samples.responses, samples.response_mask, strict=True)]
-    return response_texts(tokenizer, prompts, responses)
+    return response_texts(tokenizer, samples.prompt_ids, samples.response_ids)
 
 
 @dataclass

@@ -23,6 +23,8 @@ VADER_POSITIVE = 0.05
 """VADER's own convention: a compound score above 0.05 reads as positive."""
 LOGIT_POSITIVE = 0.0
 """A classifier's positive-label logit (or a reward model's scalar) above 0 counts as positive."""
+BATCH_SIZE = 64
+"""Texts per forward pass of a classifier scorer, unless its stage says otherwise (evaluate: evaluate.batch_size)."""
 
 
 def positive_threshold(scorer: str) -> float:
@@ -47,7 +49,7 @@ class ClassifierScorer:
     """
 
     def __init__(self, name_or_dir: str, model_params: ModelParams, positive_label: str = "POSITIVE",
-                 device: torch.device | str = "cpu", batch_size: int = 64, what: str = "reward.model",
+                 device: torch.device | str = "cpu", batch_size: int = BATCH_SIZE, what: str = "reward.model",
                  max_tokens: int | None = None) -> None:
         self.name = judge_name(name_or_dir)
         self.index = check_scorer_config(name_or_dir, model_params, positive_label, what, max_tokens)
@@ -125,11 +127,12 @@ class VaderScorer:
 
 
 def make_scorer(spec: str, params: Params, device: torch.device | str, what: str,
-                max_tokens: int | None = None) -> Scorer:
-    """'vader' or a classifier (Hub id or local dir) that must hold ``max_tokens`` (prompt + response) positions."""
+                max_tokens: int | None = None, batch_size: int = BATCH_SIZE) -> Scorer:
+    """'vader' or a classifier (Hub id or local dir) that must hold ``max_tokens`` (prompt + response) positions,
+    scoring ``batch_size`` texts a forward pass."""
     if spec == "vader":
         return VaderScorer()
-    return ClassifierScorer(spec, params.model, params.reward.positive_label, device, what=what,
+    return ClassifierScorer(spec, params.model, params.reward.positive_label, device, batch_size, what=what,
                             max_tokens=max_tokens)
 
 
@@ -166,7 +169,7 @@ def describe_reward(params: Params) -> str:
 
 
 def make_reward_scorer(params: Params, device: torch.device | str, stage: str, probe: Probe,
-                       max_tokens: int | None = None) -> Scorer:
+                       max_tokens: int | None = None, batch_size: int = BATCH_SIZE) -> Scorer:
     """The training reward of ``stage`` (ppo, sample_pairs, evaluate, optimum). Its reward functions load first and are
     called once on a few of ``probe``'s prompts (the stage's: rlhf/models/reward_functions.py), then the model's
     config is checked before its weights load (it must hold ``max_tokens`` positions): a broken function or model
@@ -174,5 +177,5 @@ def make_reward_scorer(params: Params, device: torch.device | str, stage: str, p
     deps = wiring(stage).deps if params.reward.functions else ()
     functions = load_functions(params.reward.functions, probe, stage, deps)
     path, what = reward_model_path(params)
-    model = make_scorer(path, params, device, what, max_tokens) if path is not None else None
+    model = make_scorer(path, params, device, what, max_tokens, batch_size) if path is not None else None
     return RewardScorer(model, functions) if functions else model

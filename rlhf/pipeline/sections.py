@@ -146,6 +146,9 @@ class SftParams(Schedule):
     """Data-source splits to train on (never 'test': that is where perplexity is measured)."""
     eval_reviews: int = Field(gt=0)
     """Test-split reviews used for held-out perplexity."""
+    compile: bool | Literal["auto"]
+    """torch.compile the training step (forward, loss and backward), the same loss to float rounding: true, false, or
+    auto: on CUDA only (on a CPU compiling takes minutes, which only a long bf16 run repays: docs/gpu.md)."""
 
     @model_validator(mode="after")
     def _rules(self) -> SftParams:

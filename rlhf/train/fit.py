@@ -21,7 +21,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 from tqdm import tqdm
 
-from rlhf.pipeline.errors import TrainingError, interrupted_at
+from rlhf.pipeline.errors import ParamsError, TrainingError, interrupted_at
 from rlhf.pipeline.paths import checkpoint_dir
 from rlhf.train import checkpoint, rng
 from rlhf.train.batches import Batches
@@ -29,6 +29,9 @@ from rlhf.train.batches import Batches
 log = logging.getLogger(__name__)
 
 LOSS_WINDOW = 20  # steps averaged in the progress bar
+# steps whose losses are read from the device at once (and checked for NaN/inf): reading one waits for the GPU to
+# finish that step, so a read every step would keep the host from queuing the next step's kernels meanwhile
+READ_EVERY = 20
 STATE_KEYS = ("losses", "seconds", "data", "rng")  # what a resume reads from a checkpoint's state.json
 
 
@@ -73,29 +76,45 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
     model.train()
     first, start = len(losses), time.perf_counter()
     bar = tqdm(range(first, plan.steps), desc=plan.section, initial=first, total=plan.steps)
+    pending: list[torch.Tensor] = []  # the losses of the steps since the last read, still on the device
     step = first  # the step a Ctrl-C names
     with interrupted_at(lambda: step):
         for step in bar:
+            loss = None
             for _ in range(plan.accumulation_steps):
-                loss = loss_fn(next(batches))
-                if not torch.isfinite(loss):
-                    raise TrainingError(f"step {step}: {plan.section} loss is NaN/inf "
-                                        f"(lower {plan.section}.learning_rate)")
-                (loss / plan.accumulation_steps).backward()
+                micro = loss_fn(next(batches))
+                (micro / plan.accumulation_steps).backward()
+                # the last micro-batch's loss, unless an earlier one's was NaN/inf: then that one, for the read to see
+                loss = micro.detach() if loss is None else torch.where(torch.isfinite(loss), micro.detach(), loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), plan.max_grad_norm)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{sum(losses[-LOSS_WINDOW:]) / len(losses[-LOSS_WINDOW:]):.3f}")
+            pending.append(loss)
+            checkpoint_due = (bool(plan.fingerprint) and (step + 1) % plan.checkpoint_every == 0
+                              and step + 1 < plan.steps)
+            if len(pending) == READ_EVERY or checkpoint_due or step + 1 == plan.steps:
+                losses += read_losses(pending, step + 1 - len(pending), plan.section)
+                pending = []
+                bar.set_postfix(loss=f"{sum(losses[-LOSS_WINDOW:]) / len(losses[-LOSS_WINDOW:]):.3f}")
             if after_step is not None:
                 after_step(step)
-            if plan.fingerprint and (step + 1) % plan.checkpoint_every == 0 and step + 1 < plan.steps:
+            if checkpoint_due:
                 save(folder, plan, step, model, optimizer, schedule, {
                     "losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})
                 checkpoint.stop_if_dvc_gone(plan.section, step, checkpoint.dvc_gone())
                 checkpoint.stop_if_params_changed(plan.section, step, checkpoint.params_changed(plan.section))
     return FitResult(losses, earlier + time.perf_counter() - start)
+
+
+def read_losses(pending: list[torch.Tensor], first: int, section: str) -> list[float]:
+    """The losses of steps ``first``, ``first + 1``, ... in one read from the device; a NaN/inf one stops training,
+    naming its step (the steps after it trained on, but nothing of theirs is kept: no checkpoint is written unread)."""
+    values = torch.stack(pending).tolist()
+    for step, value in enumerate(values, first):
+        if not math.isfinite(value):
+            raise TrainingError(f"step {step}: {section} loss is NaN/inf (lower {section}.learning_rate)")
+    return values
 
 
 def save(folder: Path, plan: FitPlan, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -121,6 +140,32 @@ def resume(folder: Path, plan: FitPlan, model: torch.nn.Module, optimizer: torch
     rng.set_rng_states(found.state["rng"], {})
     log.info("%s: resuming after step %d from %s", plan.section, found.step, found.path)
     return found
+
+
+def compiles(setting: bool | str, device: torch.device, key: str) -> bool:
+    """Whether a step compiles under ``key``'s ``setting`` (true, false or auto) on ``device``. auto: on CUDA only. On
+    a CPU the compiled step is faster only in bf16, and compiling it takes minutes there, which only a long run
+    repays (docs/gpu.md). True where torch.compile cannot run is an error naming ``key``."""
+    problem = compile_problem(device) if setting else None
+    if setting == "auto":
+        if device.type == "cuda" and problem is not None:
+            log.warning("%s: auto, but torch.compile cannot run here (%s): the step runs eagerly", key, problem)
+        return device.type == "cuda" and problem is None
+    if problem is not None:
+        raise ParamsError(f"{key}: true, but torch.compile cannot run here ({problem}); set it to auto or false", key)
+    return bool(setting)
+
+
+def compile_problem(device: torch.device) -> str | None:
+    """Why torch.compile cannot run on ``device`` in this process (None: it can)."""
+    from torch._dynamo import is_dynamo_supported
+    from torch.utils._triton import has_triton
+
+    if not is_dynamo_supported():
+        return "this Python is not supported by torch.compile"
+    if device.type == "cuda" and not has_triton():
+        return "Triton, its GPU code generator, is not installed"
+    return None
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,

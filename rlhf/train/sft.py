@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
+import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.loading import context_size, fast_activations, load_causal_lm
 from rlhf.models.lora import add_lora
-from rlhf.models.precision import autocast, head_logits
+from rlhf.models.precision import autocast, head_logits, mixed_precision
 from rlhf.pipeline.errors import DataError, ModelError
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.sections import SftParams
 from rlhf.rl.logprobs import cross_entropy
 from rlhf.train import checkpoint
 from rlhf.train.batches import RandomBatches
-from rlhf.train.fit import FitPlan, FitResult, fit
+from rlhf.train.fit import FitPlan, FitResult, compiles, fit
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +44,12 @@ def build_model(params: Params, tokenizer: PreTrainedTokenizerBase) -> PreTraine
 def scratch_model(s: SftParams, vocab_size: int, eos_token_id: int, head: type[PreTrainedModel] = GPT2LMHeadModel,
                   **config: Any) -> PreTrainedModel:
     """A randomly initialised GPT-2 of the sft.* shape: the sft stage's LM, or (``head``, ``config``: e.g.
-    GPT2ForSequenceClassification, num_labels=1) the reward stage's model from scratch."""
+    GPT2ForSequenceClassification, num_labels=1) the reward stage's model from scratch. Its attention is SDPA's,
+    which without a padding mask runs as ``is_causal`` with no mask tensor: on CUDA in bf16, the flash kernels."""
     gpt2 = GPT2Config(
         vocab_size=vocab_size, n_positions=s.n_positions, n_embd=s.n_embd, n_layer=s.n_layer, n_head=s.n_head,
         resid_pdrop=s.dropout, embd_pdrop=s.dropout, attn_pdrop=s.dropout,
-        bos_token_id=eos_token_id, eos_token_id=eos_token_id, **config,
+        bos_token_id=eos_token_id, eos_token_id=eos_token_id, attn_implementation="sdpa", **config,
     )
     return fast_activations(head(gpt2))
 
@@ -77,27 +80,55 @@ def next_token_loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str = "
     """Mean -log p(token | the tokens before it) over every token of the (B, T) blocks but the first of each.
 
     The LM head runs on the T - 1 positions that predict a token, under ``model.precision``'s autocast (bf16
-    logits under bf16), and ``logprobs.cross_entropy`` takes them without an (N, V) fp32 copy: Hugging Face's own loss
-    upcasts all T positions' logits and keeps several such copies, 40% of a CPU training step at the offline-cpu
-    shape (BENCHMARKS.md).
+    logits under bf16). Eagerly, ``logprobs.cross_entropy`` takes them without an (N, V) fp32 copy: Hugging Face's own
+    loss upcasts all T positions' logits and keeps several such copies, 40% of a CPU training step at the offline-cpu
+    shape (BENCHMARKS.md). Under torch.compile (``compiled_loss``) it is the plain cross-entropy, which the compiler
+    fuses into a few passes over the logits with no fp32 copy either (its row-chunk loop would only split them).
     """
     with autocast(batch.device, precision):
-        hidden = lm.base_model(input_ids=batch).last_hidden_state[:, :-1]
+        # use_cache (GPT-2's default; the cache only holds what backward keeps anyway): without a cache, transformers
+        # checks the positions for packed sequences, a host wait per forward eagerly and, under torch.compile, a mask
+        # tensor in place of is_causal, which rules out SDPA's flash kernels
+        hidden = lm.base_model(input_ids=batch, use_cache=True).last_hidden_state[:, :-1]
         logits = head_logits(lm.get_output_embeddings(), hidden)  # (B, T - 1, V)
+    if torch.compiler.is_compiling():
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
     return cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def compiled_loss() -> Callable[[PreTrainedModel, torch.Tensor, str], torch.Tensor]:
+    """``next_token_loss`` under torch.compile, whose backward is compiled with it: one graph (no break), its
+    elementwise work (LayerNorm, GELU, residual adds, the loss) fused into few kernels. Shapes are static (every
+    micro-batch is sft.batch_size x sft.block_size): one compilation, on the first step."""
+    compiled = torch.compile(next_token_loss, fullgraph=True, dynamic=False)
+
+    def loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str) -> torch.Tensor:
+        # model.precision's auto resolved out here: its CPU probe is a call torch.compile cannot trace
+        return compiled(lm, batch, "bf16" if mixed_precision(batch.device, precision) else "fp32")
+
+    return loss
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``. To CUDA through pinned memory, without waiting: a copy from pageable memory waits
+    for the GPU to finish everything queued before it, a host sync every step that would leave the GPU idle while the
+    host queues the next step."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 @torch.no_grad()
 def perplexity(lm: PreTrainedModel, blocks: torch.Tensor, batch_size: int, device: torch.device) -> float:
     """exp(mean next-token loss over every predicted token of the blocks)."""
     lm.eval()
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0  # summed on the device: one read at the end
     for i in range(0, len(blocks), batch_size):
-        batch = blocks[i: i + batch_size].to(device)
+        batch = to_device(blocks[i: i + batch_size], device)
         loss = next_token_loss(lm, batch)  # fp32: a metric, not worth bf16's rounding
         n = batch.numel() - len(batch)  # the first token of each block is never predicted
-        total, count = total + loss.item() * n, count + n
-    return math.exp(total / count)
+        total, count = total + loss.double() * n, count + n
+    return math.exp(total.item() / count)
 
 
 def run_fingerprint(params: Params) -> str:
@@ -123,8 +154,13 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
     no_decay = [p for p in trained if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
+    step_loss = next_token_loss
+    if compiles(s.compile, device, "sft.compile"):
+        log.info("sft: the training step compiles in its first call (sft.compile: %s)", s.compile)
+        step_loss = compiled_loss()
+
     def loss(idx: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(lm, blocks[idx].to(device), params.model.precision)
+        return step_loss(lm, to_device(blocks[idx], device), params.model.precision)
 
     plan = FitPlan("sft", s.max_tokens // tokens_per_step(s), s.learning_rate, s.warmup_steps,
                    s.max_grad_norm, s.gradient_accumulation_steps, betas=(0.9, 0.95),
