@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.configs import add_common_args
-from rlhf.pipeline.cli import MALLOC_KEEP
 
 ROOT = Path(__file__).resolve().parents[1]
 VENVS = ROOT / "bench" / ".venvs"
 TORCH = "torch==2.13.0"  # the CPU wheel; an unpinned torch pulls a multi-GB CUDA build
+# docs/gpu.md's glibc setting (freed memory kept for reuse), given to ours and every peer alike, unless set already
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 
 # peer venv -> what it installs on top of torch (versions pinned: a benchmark of "TRL" must say which TRL)
 REQUIREMENTS = {
@@ -58,7 +59,7 @@ def bench_env(peer: bool = True) -> dict[str, str]:
     """The environment of a benchmark run; a peer's (and its pip's) has no PYTHONPATH, which would put this
     interpreter's packages ahead of the venv's own."""
     env = {k: v for k, v in os.environ.items() if not (peer and k == "PYTHONPATH")}
-    return {k: str(v) for k, (_, v) in MALLOC_KEEP.items()} | env | {  # peers: the allocator ours sets itself
+    return ALLOCATOR | env | {
         "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "TRL_EXPERIMENTAL_SILENCE": "1"}
 

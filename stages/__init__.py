@@ -3,21 +3,36 @@
 ``python -m stages.X`` imports this package before X's own imports (torch, transformers: seconds). While the package
 is imported on behalf of ``-m`` (sys.argv[0] is "-m" until the module is found):
 - ``-h``/``--help`` is answered here, from X's docstring and dvc.yaml, so it starts at once and loads no model;
-- Ctrl-C, SIGTERM and the other stop signals end the process with one line and the signal's exit status (a stop
-  during the imports would otherwise print a long traceback from inside them); rlhf.pipeline.cli.run_stage installs
-  the handlers that keep checkpoints once the stage starts;
-- the stage takes DVC's experiments lock on the workspace (``hold_workspace``) before anything else.
+- Ctrl-C, SIGTERM and SIGHUP end the process with one line and the signal's exit status (a stop during the imports
+  would otherwise print a long traceback from inside them); rlhf.pipeline.cli.run_stage installs the handlers that
+  keep checkpoints once the stage starts.
 
 A stage that params switch off (all but prepare and evaluate) imports its model and data code inside the functions
 that run when it is on: off, it writes its marker in about a second, without loading transformers.
 """
 
-import atexit
-import contextlib
+import ast
 import os
 import signal
 import sys
+import textwrap
 from pathlib import Path
+
+
+def stage_help(stage: str, root: Path) -> str:
+    """``python -m stages.<stage> --help``: the script's docstring (what it reads and writes) and the params that
+    ``root``'s dvc.yaml lists for it, each with its doc. Reads the script without importing it (no torch)."""
+    from rlhf.pipeline.params import declaration, expand
+    from rlhf.pipeline.wiring import wiring
+
+    doc = ast.get_docstring(ast.parse((root / "stages" / f"{stage}.py").read_text(encoding="utf-8"))) or ""
+    keys = expand(wiring(stage, root / "dvc.yaml").params)
+    width = max(map(len, keys)) + 1
+    params = "\n".join(textwrap.fill(" ".join((declaration(key).description or "").split()), 119,
+                                     initial_indent=f"  {key:<{width}}", subsequent_indent=" " * (width + 2))
+                       for key in keys)
+    return (f"usage: python -m stages.{stage} [-h]\n\n{doc.strip()}\n\n"
+            f"Params  (params.yaml; the keys dvc.yaml lists for {stage})\n{params}\n")
 
 
 def _stop_while_starting(signum: int, frame: object) -> None:
@@ -26,45 +41,17 @@ def _stop_while_starting(signum: int, frame: object) -> None:
     os._exit(128 + signum)  # nothing to clean up yet; atexit hooks of half-imported libraries would print tracebacks
 
 
-def hold_workspace(command: str) -> str | None:
-    """In a DVC project, hold for this process's life the lock DVC's experiment commands (``exp run``, ``exp run
-    --queue``, ``exp apply``) take on the workspace before they touch it: DVC releases its repository lock while a
-    stage runs, so a second ``dvc exp run`` would otherwise stash the workspace and write its ``-S`` values into
-    params.yaml under this stage (params.changed_since_read catches a change that comes anyway, e.g. by hand). DVC
-    drops a killed holder's entry. Returns why the lock could not be taken (another DVC command is changing the
-    workspace, or .dvc/tmp cannot be written), else None; only rank 0 takes it."""
-    if not Path(".dvc").is_dir() or os.environ.get("RANK", "0") != "0":
-        return None
-    try:
-        from dvc.fs import localfs
-        from dvc.lock import LockError
-        from dvc.rwlock import rwlock
-    except ImportError:  # DVC is a dependency; without it nothing can start a DVC command either
-        return None
-    lock = Path(".dvc/tmp/exps")  # where DVC's experiment commands keep their rwlock (dvc/repo/experiments)
-    stack = contextlib.ExitStack()
-    try:
-        lock.mkdir(parents=True, exist_ok=True)
-        stack.enter_context(rwlock(str(lock), localfs, command, [], ["workspace"], False))
-    except LockError as e:
-        busy = str(e).splitlines()[0] + " " + " ".join(line.strip() for line in str(e).splitlines()[1:2])
-        return f"this workspace is busy: {busy} (DVC's experiments lock: wait for that command)"
-    except OSError as e:  # a read-only project, an immutable or foreign-owned .dvc/tmp
-        return f"{lock}: cannot take DVC's experiments lock there ({e.strerror})"
-    atexit.register(stack.close)
-    return None
-
-
 if sys.argv[:1] == ["-m"]:
     from rlhf.pipeline.cli import STOP_SIGNALS
+    from rlhf.pipeline.errors import PipelineError
 
     for _signum in STOP_SIGNALS:
         signal.signal(_signum, _stop_while_starting)
     _args = sys.orig_argv[sys.orig_argv.index("-m") + 1:]  # [stages.X, its arguments...]
     if _args[0].startswith("stages.") and {"-h", "--help"} & set(_args[1:]):
-        from rlhf.pipeline.cli import print_help_and_exit
-
-        print_help_and_exit(_args[0].removeprefix("stages."), Path(__file__).resolve().parents[1])
-    if _args[0].startswith("stages.") and (_refused := hold_workspace(f"python -m {_args[0]}")):
-        print(f"error: {_refused}; nothing was run", file=sys.stderr)
-        raise SystemExit(1)
+        try:
+            print(stage_help(_args[0].removeprefix("stages."), Path(__file__).resolve().parents[1]), end="")
+        except PipelineError as _e:  # no dvc.yaml there
+            print(f"error: {_e}", file=sys.stderr)
+            raise SystemExit(1) from None
+        raise SystemExit(0)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, run_switchable, write_json
-from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.params import Params, initial_policy, load_params
 from rlhf.pipeline.paths import DPO_DIR, checkpoint_dir
 from rlhf.train.system_use import HEADER as SYSTEM_HEADER
 
@@ -60,10 +60,11 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     frames = dpo.read_pair_files(cfg.pairs, cfg.batch_size)
     ref_logprobs = dpo.read_reference(dpo.reference_key(params))
     generator = seed_everything(params.seed)
-    lm, tokenizer, what = load_initial_policy(params)
+    initial = initial_policy(params)
+    lm, tokenizer = load_initial_policy(initial, params.model)
     if params.model.lora.r:  # the reference stays the initial policy: data/ref_logprobs
         add_lora(lm, params.model.lora)
-    dpo.check_context(lm, cfg.max_length, what)
+    dpo.check_context(lm, cfg.max_length, initial.what)
     outputs.check_free_space(DPO_DIR, checkpoint.weights_bytes(lm))
     policy = dpo.PairModel(lm, tokenizer, pick_device(), params.model.precision)
     lm.to(policy.device)
@@ -77,7 +78,7 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
                           checkpoint_dir(STAGE) / f"history-{fingerprint}.jsonl" if fingerprint else None)
     with SystemUse(policy.device) as system:
         result = dpo.train(policy, train_pairs, cfg, generator, fingerprint, history)
-    held_out = {key: value for key, value in history.rows[-1].items() if key.startswith("eval/")}
+    held_out = {key: value for key, value in history.read()[-1].items() if key.startswith("eval/")}
 
     save_pretrained(lm, tokenizer, outputs[DPO_DIR])
     history.write_curves(outputs[DPO_CURVES])
@@ -93,7 +94,6 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
 
 def run_fingerprint(params: Params) -> str:
     """What determines a dpo run: the params the stage reads (not the checkpoint interval) and its inputs."""
-    from rlhf.models.loading import initial_policy
     from rlhf.train import checkpoint, dpo
 
     initial = initial_policy(params)

@@ -27,12 +27,14 @@ from rlhf.eval.evaluation import SIDES, evaluate_policy, markdown_report
 from rlhf.eval.plots import histogram
 from rlhf.models.loading import check_vocab_match, load_causal_lm, load_initial_policy
 from rlhf.models.precision import pick_device
-from rlhf.models.scorers import REWARD, describe_reward, make_reward_scorer, make_scorer
+from rlhf.models.reward_functions import load_functions
+from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import StagedOutputs, write_json, write_parquet, write_text
-from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.params import Params, initial_policy, load_params, reward_model
 from rlhf.pipeline.paths import EVAL_PROMPTS, POLICIES
+from rlhf.pipeline.wiring import wiring
 from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("evaluate")
@@ -52,13 +54,15 @@ OUT_OF_MEMORY = "lower evaluate.batch_size"
 
 def describe(params: Params, n: int) -> str:
     """The report's one-paragraph account of what was measured."""
-    cfg = params.ppo
+    cfg, path = params.ppo, reward_model(params)[0]
+    reward = " + ".join(([f"`{path}`"] if path is not None else [])
+                        + [f"{spec.weight:g} x `{spec.function}`" for spec in params.reward.functions])
     judges = ", ".join(name if name == spec else f"{name} (`{spec}`)"
                        for name, spec in zip(params.evaluate.judge_names, params.evaluate.judges, strict=True))
     return (f"{n} held-out prompts from `{EVAL_PROMPTS}`. Each model answers every prompt once, with the same "
             f"per-prompt response length ({cfg.response_min_tokens}-{cfg.response_max_tokens} tokens) and seed "
             f"({params.seed}), sampled as in training (top_k={cfg.top_k}, top_p={cfg.top_p}, "
-            f"temperature={cfg.temperature}). Reward: {describe_reward(params)}. Judges: {judges or 'none'}."
+            f"temperature={cfg.temperature}). Reward: {reward}. Judges: {judges or 'none'}."
             + (BEST_OF_N.format(n=params.evaluate.best_of_n) if params.method == "best_of_n" else ""))
 
 
@@ -76,17 +80,20 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
 
     # every scorer and model loads (or fails naming its key) before any sampling
     longest = prompts.longest + params.ppo.response_max_tokens  # what each scorer reads at most
-    scorers = {REWARD: make_reward_scorer(params, device, STAGE, prompts, longest, params.evaluate.batch_size)}
+    functions = load_functions(params.reward.functions, prompts, STAGE, wiring(STAGE).deps)
+    label, batch_size = params.reward.positive_label, params.evaluate.batch_size
+    scorers = {REWARD: make_reward_scorer(functions, *reward_model(params), label, params.model, device, longest,
+                                          batch_size)}
     for i, (name, spec) in enumerate(zip(names, params.evaluate.judges, strict=True)):
-        scorers[name] = make_scorer(spec, params, device, f"evaluate.judges[{i}]", longest,
-                                    params.evaluate.batch_size)
-    reference, tokenizer, what = load_initial_policy(params)
+        scorers[name] = make_scorer(spec, params.model, label, device, f"evaluate.judges[{i}]", longest, batch_size)
+    initial = initial_policy(params)
+    reference, tokenizer = load_initial_policy(initial, params.model)
     reference.to(device).eval()
     policy = load_policy(params, tokenizer)
     if policy is not None:
         policy.to(device).eval()
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens,
-                  f"the reference model ({what})")
+                  f"the reference model ({initial.what})")
 
     metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts, params)
     for run, side in SIDES.items():

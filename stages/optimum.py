@@ -24,7 +24,7 @@ import pyarrow as pa
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_parquet, write_text
-from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.params import Params, initial_policy, load_params, reward_model
 from rlhf.pipeline.paths import (
     EVAL_PROMPTS,
     OPTIMUM_BEST_OF_N,
@@ -32,6 +32,7 @@ from rlhf.pipeline.paths import (
     OPTIMUM_METRICS,
     OPTIMUM_POOL,
 )
+from rlhf.pipeline.wiring import wiring
 
 STAGE = "optimum"
 OUT_OF_MEMORY = "lower evaluate.batch_size"
@@ -50,6 +51,7 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.eval import optimum
     from rlhf.models.loading import load_initial_policy
     from rlhf.models.precision import pick_device
+    from rlhf.models.reward_functions import load_functions
     from rlhf.models.rollout import SamplingParams, evaluation_lengths
     from rlhf.models.runs import Sampler
     from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer
@@ -67,17 +69,21 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     seed_everything(params.seed)
     # every scorer and the reference load (or fail naming their key) before any sampling
     longest = prompts.longest + cfg.response_max_tokens  # what each scorer reads at most
-    scorers = {REWARD: make_reward_scorer(params, device, STAGE, prompts, longest, params.evaluate.batch_size)}
+    functions = load_functions(params.reward.functions, prompts, STAGE, wiring(STAGE).deps)
+    label, batch_size = params.reward.positive_label, params.evaluate.batch_size
+    scorers = {REWARD: make_reward_scorer(functions, *reward_model(params), label, params.model, device, longest,
+                                          batch_size)}
     for i, (name, spec) in enumerate(zip(params.evaluate.judge_names, params.evaluate.judges, strict=True)):
-        scorers[name] = make_scorer(spec, params, device, f"evaluate.judges[{i}]", longest,
-                                    params.evaluate.batch_size)
-    reference, tokenizer, what = load_initial_policy(params)
-    check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, cfg.response_max_tokens, f"the reference ({what})")
+        scorers[name] = make_scorer(spec, params.model, label, device, f"evaluate.judges[{i}]", longest, batch_size)
+    initial = initial_policy(params)
+    reference, tokenizer = load_initial_policy(initial, params.model)
+    check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, cfg.response_max_tokens,
+                  f"the reference ({initial.what})")
     reference.to(device).eval()
 
     sampler = Sampler(reference, tokenizer, SamplingParams.of(cfg), params.evaluate.batch_size)
-    pool = optimum.draw_pool(sampler, prompts.input_ids[:P], evaluation_lengths(params, len(prompts))[:P], n,
-                             params.seed)
+    lengths = evaluation_lengths(len(prompts), cfg.response_min_tokens, cfg.response_max_tokens, params.seed)
+    pool = optimum.draw_pool(sampler, prompts.input_ids[:P], lengths[:P], n, params.seed)
     pool = optimum.score_pool(pool, prompts.queries[:P], scorers, params.evaluate.batch_size)
     curve, best_of_n = optimum.curve(pool, list(scorers)), optimum.best_of_n(pool, list(scorers))
 

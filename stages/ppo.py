@@ -38,16 +38,15 @@ from tqdm import tqdm
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError, ModelError, TrainingError, interrupted_at
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, write_disabled, write_json
-from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.params import InitialPolicy, Params, initial_policy, load_params, reward_model
 from rlhf.pipeline.paths import POLICY_DIR, PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS
+from rlhf.pipeline.wiring import wiring
 from rlhf.train.system_use import HEADER as SYSTEM_HEADER
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from rlhf.data.prompts import Prompts
-    from rlhf.models.policy import PolicyWithValueHead
     from rlhf.train import checkpoint
     from rlhf.train.batches import Batches
     from rlhf.train.ppo_checkpoint import Checkpointing
@@ -91,22 +90,26 @@ def main() -> None:
                         f"needs (ppo.batch_size={cfg.batch_size} / ppo.samples_per_prompt={cfg.samples_per_prompt})")
     if cfg.unused_keys:
         log.info("ppo: advantage_estimator %s ignores %s", cfg.advantage_estimator, ", ".join(cfg.unused_keys))
+    initial, reward = initial_policy(params), reward_model(params)
     accelerator = Accelerator(cpu=pick_device().type == "cpu")
     # only the main process writes outputs
     staged = StagedOutputs.of(STAGE) if accelerator.is_main_process else contextlib.nullcontext()
     with staged as outputs:
-        run(params, prompts, accelerator, outputs)
+        run(params, prompts, initial, reward, accelerator, outputs)
     # every process leaves together, after the main one has written the outputs, and takes its process group down
     # first: a rank exiting with a live gloo group while a peer still works can abort at interpreter exit
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
-def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: StagedOutputs | None) -> None:
-    """Train from the initial policy (or the newest checkpoint) and write the outputs (``outputs``: None on every
-    process but the main one)."""
+def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[str | None, str],
+        accelerator: Accelerator, outputs: StagedOutputs | None) -> None:
+    """Train from ``initial`` (or the newest checkpoint) against ``reward`` (``params.reward_model``) and its
+    functions, and write the outputs (``outputs``: None on every process but the main one)."""
     from rlhf.data.prompts import check_prompts
-    from rlhf.models.policy import save_policy
+    from rlhf.models.loading import context_size, load_trainable_policy
+    from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
+    from rlhf.models.reward_functions import load_functions
     from rlhf.models.scorers import make_reward_scorer
     from rlhf.train import checkpoint
     from rlhf.train.batches import ShuffledBatches
@@ -119,9 +122,21 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
     device, rank, is_main = accelerator.device, accelerator.process_index, accelerator.is_main_process
     # first: a reward function that fails, or a model that cannot score (or not the longest prompt + response),
     # is refused before any model loads
-    scorer = make_reward_scorer(params, device, STAGE, prompts, prompts.longest + cfg.response_max_tokens)
+    functions = load_functions(params.reward.functions, prompts, STAGE, wiring(STAGE).deps)
+    scorer = make_reward_scorer(functions, *reward, params.reward.positive_label, params.model, device,
+                                prompts.longest + cfg.response_max_tokens)
     seed_everything(params.seed + rank)
-    policy, ref, tokenizer = load_models(params, device)
+    # the policy (+ value head), its frozen reference (None under LoRA: the policy with its adapters off), checked
+    # against the longest prompt + response
+    lm, ref, tokenizer = load_trainable_policy(initial, params.model)
+    if (longest := params.prepare.prompt_max_tokens + cfg.response_max_tokens) > context_size(lm):
+        raise ModelError(f"ppo.response_max_tokens: prompt_max_tokens + response_max_tokens = {longest} exceeds "
+                         f"{initial.what}'s {context_size(lm)} positions")
+    for model in (lm, ref) if cfg.disable_dropout else ():
+        if model is not None:
+            disable_dropout(model)
+    policy = PolicyWithValueHead(lm, cfg.critic).to(device)
+    ref = ref.to(device) if ref is not None else None
     if is_main:
         outputs.check_free_space(POLICY_DIR, checkpoint.weights_bytes(policy))
     check_prompts(TRAIN_PROMPTS, prompts, tokenizer, policy.lm, cfg.response_max_tokens, "the policy")
@@ -131,56 +146,27 @@ def run(params: Params, prompts: Prompts, accelerator: Accelerator, outputs: Sta
     # every process draws the same permutations (one seed) and takes its own slice of each global batch
     order = ShuffledBatches(len(prompts), cfg.prompts_per_step, torch.Generator().manual_seed(params.seed), rank,
                             accelerator.num_processes)
-    ckpt, found = find_checkpoint(params, policy, accelerator)
+    ckpt, found = find_checkpoint(params, [initial.path, initial.tokenizer, reward[0]], policy, accelerator)
     if found is not None:
         ckpt.restore(found, trainer, order, accelerator)
         log.info("ppo: resuming after step %d from %s", found.step, found.path)
 
-    start = time.perf_counter()
+    start = ckpt.start if ckpt is not None else time.perf_counter()  # a resumed run's: the time before counts
     with SystemUse(device) as system:
         last = train(trainer, prompts, order, ckpt, found, accelerator, outputs)
 
     if is_main:
         save_policy(trainer.policy, tokenizer, outputs[POLICY_DIR])
+        # the training time of every step (those before a resume too), every process's samples, the last objective
         seconds = time.perf_counter() - start
-        # the run's throughput (the steps since a resume, every process's samples) and the last step's objective
-        samples = (cfg.steps - (found.step + 1 if found is not None else 0)) * cfg.batch_size
         summary = {"trained": True, "processes": accelerator.num_processes, "seconds": round(seconds, 1),
                    "skipped_batches": trainer.skipped_batches,
-                   "throughput/samples_per_s": round(samples * accelerator.num_processes / seconds, 2),
+                   "throughput/samples_per_s": round(cfg.steps * cfg.batch_size * accelerator.num_processes
+                                                     / seconds, 2),
                    "system": system.summary(), **{k: v for k, v in last.items() if k.startswith("objective/")}}
         write_json({"ppo": summary}, outputs[PPO_METRICS])
         system.write(outputs[PPO_SYSTEM])
         log.info("ppo: %s", summary)
-
-
-def load_models(params: Params, device: torch.device
-                ) -> tuple[PolicyWithValueHead, PreTrainedModel | None, PreTrainedTokenizerBase]:
-    """Policy (+ value head), frozen reference and tokenizer, checked against each other and the prompt lengths. With
-    model.lora.r > 0 the policy's LM trains adapters and the reference is None: that LM with its adapters off."""
-    from rlhf.models.loading import check_vocab_match, context_size, initial_tokenizer, load_causal_lm
-    from rlhf.models.lora import add_lora
-    from rlhf.models.policy import PolicyWithValueHead, disable_dropout
-
-    initial, tokenizer = initial_tokenizer(params)
-    what = initial.what
-    lm = load_causal_lm(initial.path, params.model, what=what)
-    if params.model.lora.r:
-        add_lora(lm, params.model.lora)
-        ref = None
-    else:
-        ref = load_causal_lm(initial.path, params.model, what=what)
-    check_vocab_match(tokenizer, lm, "model.tokenizer")
-    longest = params.prepare.prompt_max_tokens + params.ppo.response_max_tokens
-    if longest > context_size(lm):
-        raise ModelError(f"ppo.response_max_tokens: prompt_max_tokens + response_max_tokens = {longest} exceeds "
-                         f"{what}'s {context_size(lm)} positions")
-    if params.ppo.disable_dropout:
-        disable_dropout(lm)
-        if ref is not None:
-            disable_dropout(ref)
-    policy = PolicyWithValueHead(lm, params.ppo.critic).to(device)
-    return policy, ref.to(device) if ref is not None else None, tokenizer
 
 
 def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpointing | None,
@@ -224,15 +210,12 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                         live.log_metric(key, value, plot=True)
                     live.next_step()
                 bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
-            if (step + 1) % chunk == 0:
+            if (step + 1) % chunk == 0 or step + 1 == cfg.steps:
                 if is_main:
                     writer.flush()
-                if ckpt is not None and step + 1 < cfg.steps:
-                    ckpt.save(step, trainer, order, live.step if is_main else 0, last, accelerator)
-                    ckpt.stop_if_dvc_gone(step, accelerator)
-                    ckpt.stop_if_params_changed(step, accelerator)
-    if is_main:
-        writer.flush()
+                if ckpt is not None:  # the last step's too: a rerun of a finished run (one DVC never recorded)
+                    ckpt.save(step, trainer, order, live.step if is_main else 0, last, accelerator)  # ends at once
+                    ckpt.stop_if_due(step, accelerator)
     return last
 
 

@@ -15,7 +15,7 @@ import logging
 
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.io import StagedOutputs, run_switchable
-from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.params import Params, initial_policy, load_params
 from rlhf.pipeline.paths import REF_LOGPROBS_DIR
 
 log = logging.getLogger("ref_logprobs")
@@ -41,8 +41,9 @@ def write_reference(params: Params, outputs: StagedOutputs) -> None:
 
     cfg = params.dpo
     frames = dpo.read_pair_files(cfg.pairs, batch_size=None)
-    lm, tokenizer, what = load_initial_policy(params)
-    dpo.check_context(lm, cfg.max_length, what)
+    initial = initial_policy(params)
+    lm, tokenizer = load_initial_policy(initial, params.model)
+    dpo.check_context(lm, cfg.max_length, initial.what)
     key = dpo.reference_key(params)
     reference = dpo.PairModel(lm, tokenizer, pick_device(), params.model.precision)
     lm.to(reference.device)

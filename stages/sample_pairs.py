@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_parquet
-from rlhf.pipeline.params import Params, load_params
+from rlhf.pipeline.params import Params, initial_policy, load_params, reward_model
 from rlhf.pipeline.paths import (
     SAMPLED_PAIRS_DIR,
     SAMPLED_TEST_PAIRS,
     SAMPLED_TRAIN_PAIRS,
     TRAIN_PROMPTS,
 )
+from rlhf.pipeline.wiring import wiring
 
 if TYPE_CHECKING:
     from rlhf.data.prompts import Prompts
@@ -64,6 +65,7 @@ def write_pairs(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.models.decoding import SamplingParams
     from rlhf.models.loading import load_initial_policy
     from rlhf.models.precision import pick_device
+    from rlhf.models.reward_functions import load_functions
     from rlhf.models.runs import Sampler
     from rlhf.models.scorers import make_reward_scorer
     from rlhf.train.rng import seed_everything
@@ -73,8 +75,10 @@ def write_pairs(params: Params, outputs: StagedOutputs) -> None:
     seed_everything(params.seed)
     device = pick_device()
     longest = prompts.longest + params.ppo.response_max_tokens
-    scorer = make_reward_scorer(params, device, STAGE, prompts, longest)
-    lm, tokenizer, _ = load_initial_policy(params)
+    functions = load_functions(params.reward.functions, prompts, STAGE, wiring(STAGE).deps)
+    scorer = make_reward_scorer(functions, *reward_model(params), params.reward.positive_label, params.model, device,
+                                longest)
+    lm, tokenizer = load_initial_policy(initial_policy(params), params.model)
     cfg = params.ppo
     check_prompts(TRAIN_PROMPTS, prompts, tokenizer, lm, cfg.response_max_tokens, "the initial policy")
     lm.to(device).eval()

@@ -18,6 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlhf.pipeline.wiring import stages
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # under pytest-xdist each worker gets its share of the cores for torch (set before torch loads; the stage
@@ -28,6 +30,7 @@ if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+ALL_STAGES = frozenset(stages(ROOT / "dvc.yaml"))  # what a dvc repro of a fresh project runs (switched off or not)
 
 POSITIVE_WORDS = "great wonderful superb brilliant moving funny loved beautiful excellent charming".split()
 NEGATIVE_WORDS = "awful boring terrible dull bad hated stupid weak painful mess".split()

@@ -17,6 +17,7 @@ from types import ModuleType
 import pandas as pd
 import pytest
 import torch
+from conftest import ROOT
 
 from bench import compare, decode_step, equivalence, logprob_error, ppo_step, sft_step
 from bench.configs import (
@@ -212,7 +213,7 @@ def test_logprob_error_puts_fp32_at_float64_and_a_bf16_head_furthest(tiny_gpt2_d
 
 
 def test_sft_step_times_both_losses_on_the_same_model_and_batch(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(Path(__file__).parents[1])  # presets/ and params.yaml
+    monkeypatch.chdir(ROOT)  # presets/ and params.yaml
     # the compiled runners compile for a minute on a CPU: tests/test_sft_reward.py checks the compiled step
     result = run_main(sft_step, ["--preset", "offline-cpu", "--batch-size", "2", "--iters", "1", "--threads", "1",
                                  "--runners", "ours,hf"], monkeypatch, capsys)

@@ -16,21 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.params import defaults
 from rlhf.train import checkpoint, rng
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def test_fingerprint_follows_params_file_content_and_the_stages_code(tmp_path: Path,
+def test_fingerprint_follows_params_file_content_and_the_stages_code(project: Path, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage's params and code as dvc.yaml lists them (a copy of the project standing for the code that runs)."""
-    copy = tmp_path / "project"
-    for name in ("stages", "rlhf", "rewards"):
-        shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(ROOT / "dvc.yaml", copy / "dvc.yaml")
+    copy = project
     monkeypatch.chdir(copy)
     monkeypatch.setattr(checkpoint, "ROOT", copy)
     data = tmp_path / "prompts.parquet"

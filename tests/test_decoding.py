@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from rlhf.models import decoding
@@ -31,8 +32,6 @@ from rlhf.models.rollout import left_pad
 from rlhf.models.sampling import SamplingParams
 from rlhf.models.static_decoder import StaticDecoder, static_decoding_supports
 from rlhf.pipeline.params import defaults
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SAMPLINGS = [SamplingParams(), SamplingParams(top_k=1), SamplingParams(top_k=20, top_p=0.9, temperature=0.7)]
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}

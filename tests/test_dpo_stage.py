@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, dvc, set_params
+from conftest import ALL_STAGES, ROOT, dvc, set_params
 from helpers import interrupted_at_call, moved_weights, projections, ran_stages, signal_pairs
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -23,7 +23,7 @@ from rlhf.models.loading import initial_tokenizer
 from rlhf.models.scorers import make_reward_scorer
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import DISABLED_MARKER
-from rlhf.pipeline.params import load_params
+from rlhf.pipeline.params import initial_policy, load_params, reward_model
 from rlhf.pipeline.paths import (
     DPO_DIR,
     POLICY_DIR,
@@ -82,13 +82,14 @@ def test_the_stage_learns_its_pairs_and_a_killed_run_resumes_to_the_same_outputs
     trained = AutoModelForCausalLM.from_pretrained(DPO_DIR)
     initial = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
     assert not torch.equal(trained.lm_head.weight, initial.lm_head.weight)
-    assert not Path("data/checkpoints/dpo").exists()
+    assert [p.name for p in Path("data/checkpoints/dpo").glob("step-*")] == ["step-000007"]  # its last, kept
     assert_a_killed_run_resumes_to(metrics, trained)
 
 
 def assert_a_killed_run_resumes_to(metrics: dict, trained: torch.nn.Module) -> None:
     """A rerun of the stage killed in its step 4 (by Ctrl-C) keeps the previous outputs and its step-3 checkpoint,
     from which a rerun ends with ``metrics``, the same curves and the ``trained`` weights."""
+    shutil.rmtree("data/checkpoints/dpo")  # the finished run's: the same run again would end at once
     whole = {name: curve(name) for name in ("train/loss", "eval/rewards/accuracies", "eval/rewards/margins")}
     # two calls a step (its batch, the held-out set): the 9th is in step 4
     with interrupted_at_call(dpo_library, "pair_losses", 9), pytest.raises(KeyboardInterrupt):
@@ -147,7 +148,7 @@ def test_the_reference_log_probs_are_the_references_row_for_row_and_read_only_fo
         dpo_dir: Path, tiny_gpt2_dir: Path) -> None:
     params = load_params()
     reference = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
-    tokenizer = initial_tokenizer(params)[1]
+    tokenizer = initial_tokenizer(initial_policy(params), params.model)
     for path, ref in zip((TRAIN_PAIRS, TEST_PAIRS), dpo_library.read_reference(dpo_library.reference_key(params)),
                          strict=True):
         pairs = dpo_library.encode_pairs(pd.read_parquet(path), tokenizer, params.dpo.max_length, str(path))
@@ -197,14 +198,14 @@ def test_method_dpo_on_sampled_pairs_through_dvc(project: Path, imdb_dir: Path, 
         "ppo.response_min_tokens": 2, "ppo.response_max_tokens": 6, "evaluate.judges": ["vader"],
         "evaluate.batch_size": 8, "evaluate.examples": 2, "method": "dpo", "dpo.pairs": "sampled", **TINY_DPO,
         "dpo.checkpoint_every": 0})
-    assert ran_stages(dvc(project, "repro")) == {"prepare", "sft", "reward", "ppo", "sample_pairs", "ref_logprobs",
-                                                 "dpo", "evaluate", "optimum"}
+    assert ran_stages(dvc(project, "repro")) == ALL_STAGES
     assert [p.name for p in (project / POLICY_DIR).iterdir()] == [DISABLED_MARKER], "ppo did not train"
     assert json.loads((project / DPO_METRICS).read_text())["dpo"]["trained"]
     assert json.loads((project / "metrics/eval.json").read_text())["kl.full_mean"] > 0, "evaluate read models/dpo"
 
     # every pair of one prompt's 4 completions with distinct scores, ranked as the reward scorer ranks them
-    scorer = make_reward_scorer(load_params(path=project / "params.yaml"), "cpu", "sample_pairs", [])
+    params = load_params(path=project / "params.yaml")  # no reward functions: the model alone
+    scorer = make_reward_scorer([], *reward_model(params), params.reward.positive_label, params.model, "cpu")
     train, test = (pd.read_parquet(project / path) for path in (SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS))
     assert train["prompt"].nunique() == 18 and test["prompt"].nunique() == 2
     assert train.groupby("prompt").size().max() <= 6

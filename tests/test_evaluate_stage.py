@@ -15,10 +15,11 @@ from helpers import eos_only_gpt2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.models.rollout import response_lengths
-from rlhf.models.scorers import ClassifierScorer, VaderScorer, judge_name
+from rlhf.models.scorers import ClassifierScorer, VaderScorer
 from rlhf.pipeline.errors import DataError, ModelError, ParamsError
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.paths import DPO_DIR, EVAL_PROMPTS, POLICY_DIR
+from rlhf.pipeline.sections import judge_name
 from stages.evaluate import EVAL_HISTOGRAM, EVAL_METRICS, EVAL_REPORT, EVAL_SAMPLES, main
 
 N_PROMPTS = 6

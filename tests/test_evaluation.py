@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlhf.eval.evaluation import distinct_n, eval_metrics, markdown_report, perplexity, score_stats, sequence_kl
-from rlhf.models.scorers import REWARD, judge_name, positive_threshold
+from rlhf.models.scorers import REWARD, positive_threshold
+from rlhf.pipeline.sections import judge_name
 
 
 def brute_force_kl(logits, ref_logits, responses, mask):

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_classifier, set_params, write_prompts
-from helpers import leftovers, run, run_cli, snapshot, training_project
+from conftest import ROOT, build_tiny_classifier, set_params, write_prompts
+from helpers import TRAINING, leftovers, run, run_cli, snapshot, training_project
 from safetensors.torch import load_file, save_file
 
 from rlhf.models.loading import load_causal_lm, load_sequence_classifier
@@ -43,10 +43,10 @@ from stages import ppo as ppo_stage
 from stages import reward as reward_stage
 
 FAULT = Path(__file__).parent / "fault.py"
-ROOT = Path(__file__).resolve().parents[1]
 STAGES = list(stages(ROOT / "dvc.yaml"))
-PPO = {"ppo.steps": 4, "ppo.batch_size": 4, "ppo.mini_batch_size": 2, "ppo.checkpoint_every": 2,
-       "ppo.response_min_tokens": 3, "ppo.response_max_tokens": 6, "evaluate.batch_size": 4}
+TINY_RUN = {"prepare.eval_prompts": 20, "prepare.train_pairs": 30, "prepare.test_pairs": 10, "ppo.steps": 4,
+            "ppo.batch_size": 4, "ppo.mini_batch_size": 2, "ppo.checkpoint_every": 2, "ppo.response_min_tokens": 3,
+            "ppo.response_max_tokens": 6, "evaluate.batch_size": 4}
 
 
 # --- a project ready to run each stage on tiny inputs ----------------------------------------------------------------
@@ -55,21 +55,19 @@ PPO = {"ppo.steps": 4, "ppo.batch_size": 4, "ppo.mini_batch_size": 2, "ppo.check
 @pytest.fixture
 def stage_project(project: Path, imdb_dir: Path, tokenizer_dir: Path, tiny_gpt2_dir: Path,
                   tiny_classifier_dir: Path) -> Callable[[str], Path]:
-    """``stage_project(stage)``: the project with the inputs and params of a tiny run of ``stage``."""
+    """``stage_project(stage)``: the project with tiny inputs and params for any stage: the data, tokenizer, policy and
+    reward model, prompts, the ppo stage's policy (evaluate's input) and, for a stage switched on only for the run
+    (sft, reward), its training params and pairs."""
 
     def ready(stage: str) -> Path:
-        if stage == "prepare":
-            set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir),
-                                   "prepare.eval_prompts": 20, "prepare.train_pairs": 30, "prepare.test_pairs": 10})
-        elif stage in ("sft", "reward"):
+        write_prompts(project, tokenizer_dir)
+        shutil.copy(project / "data/prompts/train.parquet", project / "data/prompts/eval.parquet")
+        shutil.copytree(tiny_gpt2_dir, project / "models/policy")
+        set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir),
+                               "model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
+                               **TINY_RUN})
+        if stage in TRAINING:
             training_project(project, stage, imdb_dir, tokenizer_dir)
-        else:
-            write_prompts(project, tokenizer_dir)
-            set_params(project, **{"model.policy": str(tiny_gpt2_dir), "reward.model": str(tiny_classifier_dir),
-                                   **PPO})
-        if stage == "evaluate":
-            shutil.copy(project / "data/prompts/train.parquet", project / "data/prompts/eval.parquet")
-            shutil.copytree(tiny_gpt2_dir, project / "models/policy")  # the ppo stage's output, an input here
         return project
 
     return ready
@@ -250,9 +248,10 @@ LOSS = r"^rlhf/train/sft\.py:train\.<locals>\.loss$"  # one call per micro-batch
      "error: out of GPU memory in reward: lower reward.batch_size or reward.max_length", 1),
     ("evaluate", r"^rlhf/models/rollout\.py:generate$", 1, "oom",
      "error: out of GPU memory in evaluate: lower evaluate.batch_size", 1),
-    # a full disk in a writer of a checkpoint (step 1), of the model (the second safetensors file), of a rollout
+    # a full disk in a writer of a checkpoint (step 1), of the model (the third safetensors file, after the last
+    # step's checkpoint), of a rollout
     # chunk (mid-run), of the curves (a write's OSError names no file)
-    ("ppo", r"safetensors/torch\.py:save_file$", 2, "disk-full", "error: disk full writing models/policy", 1),
+    ("ppo", r"safetensors/torch\.py:save_file$", 3, "disk-full", "error: disk full writing models/policy", 1),
     ("ppo", r"pyarrow/parquet/core\.py:write_table$", 1, "disk-full",
      "error: disk full writing data/rollouts/steps-000000-000001.parquet", 1),
     ("ppo", r"safetensors/torch\.py:save_file$", 1, "disk-full",
@@ -295,6 +294,7 @@ def test_a_stage_failed_at_a_random_point_leaves_its_previous_outputs_and_a_reru
     result = run_with_fault(project, stage, "--count", str(counted))  # a complete run: the previous outputs
     assert result.returncode == 0, result.stderr
     previous, calls = snapshot(project, stage), int(counted.read_text())
+    shutil.rmtree(project / "data/checkpoints", ignore_errors=True)  # the faulted run trains as the counted one did
 
     rng = random.Random(f"{fault_seed}/{stage}")
     at, kind = rng.randint(1, calls), rng.choice(["error", "interrupt", "oom"])
@@ -388,53 +388,29 @@ REPLACE = r"^c:posix\.replace$"  # every os.replace: the final replacement's ren
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before_end", [6, 3, 0], ids=["setting-aside", "moving-in", "last-rename"])
-def test_a_kill_during_the_final_renames_never_leaves_two_runs_outputs(
-        before_end: int, stage_project: Callable[[str], Path], tmp_path: Path) -> None:
-    """kill -9 at a rename of ppo's final replacement (4 previous outputs set aside, then 4 new ones moved in), then
-    a rerun that stops once it runs (Ctrl-C at its first step): the outputs are one run's, never a mix."""
+@pytest.mark.parametrize(("kind", "before_end"), [("kill", 6), ("kill", 3), ("kill", 0), ("sigterm", 2)],
+                         ids=["kill-setting-aside", "kill-moving-in", "kill-last-rename", "sigterm-moving-in"])
+def test_a_stop_while_the_outputs_go_in_leaves_one_runs_outputs_and_the_rerun_ends_at_once(
+        kind: str, before_end: int, stage_project: Callable[[str], Path], tmp_path: Path) -> None:
+    """kill -9 or SIGTERM at a rename of ppo's final replacement (4 previous outputs set aside, then 4 new ones moved
+    in): never two runs' outputs side by side (a kill leaves some missing, a stop puts the previous ones back), and
+    the rerun resumes after the last step from the checkpoint the run kept, training nothing."""
     project = stage_project("ppo")
     old = plant_outputs(project, "ppo")
     total = count_calls(project, "ppo", REPLACE, tmp_path)
-    result = run_with_fault(project, "ppo", "--where", REPLACE, "--at", str(total - before_end), "--kind", "kill")
-    assert result.returncode == -signal.SIGKILL, result.stderr
+    result = run_with_fault(project, "ppo", "--where", REPLACE, "--at", str(total - before_end), "--kind", kind)
+    if kind == "kill":
+        assert result.returncode == -signal.SIGKILL, result.stderr
+        assert {"old", "new"} - set(states(project, "ppo", old).values()), states(project, "ppo", old)
+    else:
+        assert (result.returncode, last_line(result)) == (143, "stopped by SIGTERM; checkpoint "
+                                                               "data/checkpoints/ppo/step-000003 kept; rerun to "
+                                                               "resume"), result.stderr
+        assert set(states(project, "ppo", old).values()) == {"old"} and leftovers(project, "ppo") == []
     result = run_with_fault(project, "ppo", "--where", r"ppo_trainer\.py:PPOTrainer\.step$", "--at", "1",
-                            "--kind", "interrupt")
-    assert result.returncode == 130, result.stderr
-    found = states(project, "ppo", old)
-    assert set(found.values()) == {"new"}, found  # the killed run had staged them all: its set is finished
-    assert leftovers(project, "ppo") == []
-
-
-def planted_replacement(tmp_path: Path, journal: bool) -> list[Path]:
-    """The files a replacement killed half-way leaves: output a moved in (its previous one set aside), output b set
-    aside with its new one still staged; with or without the journal."""
-    outputs = [Path("metrics/a.json"), Path("data/b")]
-    for folder in ("metrics", "data/.b.staged", "data/checkpoints", "data/.b.replaced"):
-        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
-    (tmp_path / "metrics/a.json").write_text("new a")
-    (tmp_path / "metrics/.a.json.replaced").write_text("old a")
-    (tmp_path / "data/.b.replaced/x").write_text("old b")
-    (tmp_path / "data/.b.staged/x").write_text("new b")
-    if journal:
-        (tmp_path / "data/checkpoints/.demo.commit").write_text("1\n")
-    return outputs
-
-
-@pytest.mark.parametrize("journal", [True, False], ids=["moving-in", "putting-back"])
-def test_the_next_run_finishes_a_replacement_a_kill_left_half_done(journal: bool, tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the journal every new output was staged: the next run moves the rest in. Without it a failed replacement
-    was putting the previous outputs back: the next run puts back the rest. Either way, one run's set."""
-    monkeypatch.chdir(tmp_path)
-    outputs = planted_replacement(tmp_path, journal)
-    with pytest.raises(KeyboardInterrupt), StagedOutputs(outputs, "demo"):
-        raise KeyboardInterrupt  # the next run stops as soon as it has entered
-    which = "new" if journal else "old"
-    assert (Path("metrics/a.json").read_text(), Path("data/b/x").read_text()) == (f"{which} a", f"{which} b")
-    assert sorted(p.name for p in [*Path("metrics").iterdir(), *Path("data").iterdir()]) == ["a.json", "b",
-                                                                                           "checkpoints"]
-    assert not Path("data/checkpoints/.demo.commit").exists()
+                            "--kind", "error")  # a step would fail it
+    assert result.returncode == 0 and "ppo: resuming after step 3" in result.stderr, result.stderr
+    assert set(states(project, "ppo", old).values()) == {"new"} and leftovers(project, "ppo") == []
 
 
 def test_a_stage_that_leaves_an_output_unwritten_replaces_none(tmp_path: Path,
@@ -445,29 +421,11 @@ def test_a_stage_that_leaves_an_output_unwritten_replaces_none(tmp_path: Path,
     Path("metrics/a.json").write_text("old a")
     Path("metrics/b.json").write_text("old b")
     outputs = [Path("metrics/a.json"), Path("metrics/b.json")]
-    with pytest.raises(RuntimeError, match=r"without writing metrics/b\.json; the previous outputs are kept"), \
+    with pytest.raises(RuntimeError, match=r"without writing metrics/b\.json; no output was replaced"), \
             StagedOutputs(outputs, "demo") as staged:
         write_text("new a", staged[Path("metrics/a.json")])
     assert (Path("metrics/a.json").read_text(), Path("metrics/b.json").read_text()) == ("old a", "old b")
     assert sorted(p.name for p in Path("metrics").iterdir()) == ["a.json", "b.json"]
-
-
-@pytest.mark.slow
-def test_a_kill_while_a_finished_run_removes_its_checkpoint_leaves_it_whole_or_gone(
-        stage_project: Callable[[str], Path], tmp_path: Path) -> None:
-    """kill -9 inside the removal of the finished run's checkpoint (its outputs already in place): no checkpoint is
-    left half deleted (state.json beside missing weights made every rerun fail), and a rerun completes."""
-    project = stage_project("ppo")
-    unlinks = count_calls(project, "ppo", r"^c:posix\.unlink$", tmp_path)
-    result = run_with_fault(project, "ppo", "--where", r"^c:posix\.unlink$", "--at", str(unlinks - 1),
-                            "--kind", "kill")
-    assert result.returncode == -signal.SIGKILL, result.stderr
-    for kept in (project / "data/checkpoints/ppo").glob("step-*"):
-        state = json.loads((kept / "state.json").read_text())
-        assert all((kept / name).is_file() for name in state["manifest"]), f"{kept} is half deleted"
-    result = run_cli(project, "ppo")
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    assert leftovers(project, "ppo") == [] and not list((project / "data/checkpoints").glob(".*.removed"))
 
 
 # --- a run that changed nothing, or whose params changed under it, is no result (issue 33) -------------------------
@@ -560,21 +518,6 @@ def test_params_changed_while_ppo_runs_stop_it_at_its_next_checkpoint(
     assert steps == [0, 1, 2, 3]
     assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
     assert [p.name for p in (project / "data/checkpoints/ppo").glob("step-*")] == ["step-000003"]
-
-
-@pytest.mark.slow
-def test_a_stop_signal_once_the_outputs_go_in_lets_the_run_finish(stage_project: Callable[[str], Path],
-                                                                  tmp_path: Path) -> None:
-    """SIGTERM while a finished ppo removes its checkpoint (its outputs moved in) exited 143 saying nothing was
-    written, the new outputs in place and the journal left: DVC recorded nothing and its rerun started over."""
-    project = stage_project("ppo")
-    old = plant_outputs(project, "ppo")
-    unlinks = count_calls(project, "ppo", r"^c:posix\.unlink$", tmp_path)
-    result = run_with_fault(project, "ppo", "--where", r"^c:posix\.unlink$", "--at", str(unlinks - 1),
-                            "--kind", "sigterm")
-    assert result.returncode == 0 and "ppo: done in" in result.stderr, result.stderr
-    assert set(states(project, "ppo", old).values()) == {"new"} and leftovers(project, "ppo") == []
-    assert sorted(p.name for p in (project / "data/checkpoints").iterdir()) == [".ppo.lock"]
 
 
 @pytest.mark.parametrize("how", ["a file", "immutable"])

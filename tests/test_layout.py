@@ -8,10 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from rlhf.pipeline.wiring import stages, wiring
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def readme_commands() -> list[str]:

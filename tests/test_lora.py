@@ -113,6 +113,7 @@ def test_sft_with_lora_trains_the_adapters_of_its_base_and_a_killed_run_resumes_
     assert moved_weights(trained, initial) == projections(suffix=".weight")
     uninterrupted = {name: Path(name).read_bytes() for name in ("models/sft/model.safetensors",
                                                                 "metrics/sft/loss.csv")}
+    shutil.rmtree("data/checkpoints/sft")  # the finished run's last: the same run again would end at once
 
     with interrupted_at_call(sft, "next_token_loss", 8), pytest.raises(KeyboardInterrupt):  # in step 7
         sft_stage.main()

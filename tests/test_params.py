@@ -9,13 +9,13 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.params import declaration, defaults, dotted_keys, expand, load_params, parse_params, read_yaml
 from rlhf.pipeline.wiring import stages, wiring
 from rlhf.rl.advantages import ESTIMATORS
 
-ROOT = Path(__file__).resolve().parents[1]
 DVC_YAML = ROOT / "dvc.yaml"
 
 
@@ -89,30 +89,30 @@ def test_a_stage_reads_only_the_keys_dvc_yaml_lists_for_it(tmp_path: Path, monke
 
 
 @pytest.mark.parametrize(("dotted", "value", "key", "rule"), [
-    ("ppo.batch_size", -4, "ppo.batch_size", ">= 2"),
-    ("ppo.batch_size", "many", "ppo.batch_size", "integer"),
-    ("ppo.learning_rate", True, "ppo.learning_rate", "number"),
-    ("ppo.adap_kl_ctrl", "yes", "ppo.adap_kl_ctrl", "bool"),
-    ("ppo.kl_penalty", "kk", "ppo.kl_penalty", "one of kl, abs, mse, full, k3"),
-    ("ppo.gamma", 1.5, "ppo.gamma", "[0, 1]"),
-    ("ppo.top_p", 0.0, "ppo.top_p", "(0, 1]"),
+    ("ppo.batch_size", -4, "ppo.batch_size", "greater than or equal to 2"),
+    ("ppo.batch_size", "many", "ppo.batch_size", "valid integer"),
+    ("ppo.learning_rate", True, "ppo.learning_rate", "valid number"),
+    ("ppo.adap_kl_ctrl", "yes", "ppo.adap_kl_ctrl", "valid boolean"),
+    ("ppo.kl_penalty", "kk", "ppo.kl_penalty", "'kl', 'abs', 'mse', 'full' or 'k3'"),
+    ("ppo.gamma", 1.5, "ppo.gamma", "less than or equal to 1"),
+    ("ppo.top_p", 0.0, "ppo.top_p", "greater than 0"),
     ("ppo.batch_size", 100, "ppo.batch_size", "multiple of ppo.mini_batch_size x ppo.gradient_accumulation_steps"),
     ("ppo.response_min_tokens", 20, "ppo.response_min_tokens", "<= ppo.response_max_tokens"),
     ("prepare.prompt_min_tokens", 9, "prepare.prompt_min_tokens", "<= prepare.prompt_max_tokens"),
-    ("prepare.eval_prompts", 0, "prepare.eval_prompts", "> 0"),
+    ("prepare.eval_prompts", 0, "prepare.eval_prompts", "greater than 0"),
     ("prepare.pairs_source", "pairs.txt", "prepare.pairs_source", ".parquet/.jsonl"),
     ("data.source", "./no/such/folder", "data.source", "does not exist"),
     ("model.tokenizer", "../no-such-tokenizer", "model.tokenizer", "does not exist"),
     ("sft.n_embd", 100, "sft.n_embd", "divisible by sft.n_head"),
     ("sft.block_size", 512, "sft.block_size", "<= sft.n_positions"),
     ("sft.splits", ["train", "test"], "sft.splits", "'test'"),
-    ("sft.splits", "train", "sft.splits", "list"),
-    ("evaluate.judges", ["vader", 3], "evaluate.judges[1]", "str"),
-    ("seed", -1, "seed", "[0, 4294967296)"),
-    ("seed", 2**32, "seed", "[0, 4294967296)"),  # NumPy's seeds are 32-bit: ppo died in numpy
-    ("ppo.temperature", 1e-30, "ppo.temperature", ">= 0.01"),  # logits / 1e-30 lose every digit
-    ("ppo.batch_size", 1, "ppo.batch_size", ">= 2"),  # one sample of one token cannot be whitened
-    ("sft.block_size", 1, "sft.block_size", ">= 2"),  # a block of one token has no next token to predict
+    ("sft.splits", "train", "sft.splits", "valid list"),
+    ("evaluate.judges", ["vader", 3], "evaluate.judges[1]", "valid string"),
+    ("seed", -1, "seed", "greater than or equal to 0"),
+    ("seed", 2**32, "seed", "less than 4294967296"),  # NumPy's seeds are 32-bit: ppo died in numpy
+    ("ppo.temperature", 1e-30, "ppo.temperature", "greater than or equal to 0.01"),  # logits / 1e-30 lose every digit
+    ("ppo.batch_size", 1, "ppo.batch_size", "greater than or equal to 2"),  # one token cannot be whitened
+    ("sft.block_size", 1, "sft.block_size", "greater than or equal to 2"),  # one token: no next token
     ("sft.max_tokens", 100, "sft.max_tokens", "at least one optimizer step's tokens"),  # trained one step anyway
 ])
 def test_each_rule_names_key_and_rule(raw: dict, dotted: str, value: object, key: str, rule: str) -> None:
@@ -127,7 +127,7 @@ def test_unknown_keys_are_refused(raw: dict) -> None:
 
 def test_section_must_be_a_mapping(raw: dict) -> None:
     raw["ppo"] = [1, 2]
-    refused(raw, "ppo", "mapping")
+    refused(raw, "ppo", "valid dictionary")
 
 
 def test_reward_from_sft_needs_sft(raw: dict) -> None:
@@ -169,32 +169,32 @@ def test_ints_are_accepted_for_floats(raw: dict) -> None:
 
 
 @pytest.mark.parametrize(("dotted", "value", "rule"), [
-    ("ppo.steps", True, "integer"),
-    ("ppo.steps", 2.0, "integer"),
-    ("ppo.steps", "8", "integer (got '8' (a string): write it without quotes)"),
-    ("ppo.learning_rate", "5e-05", "number (got '5e-05' (a string): write it without quotes)"),
-    ("ppo.learning_rate", "fast", "number (got 'fast')"),
+    ("ppo.steps", True, "valid integer"),
+    ("ppo.steps", 2.0, "valid integer"),
+    ("ppo.steps", "8", "valid integer (got '8')"),
+    ("ppo.learning_rate", "5e-05", "valid number (got '5e-05')"),
+    ("ppo.learning_rate", "fast", "valid number (got 'fast')"),
     ("ppo.learning_rate", float("nan"), "finite number"),
-    ("ppo.checkpoint_every", "10", "integer (got '10' (a string): write it without quotes)"),
-    ("ppo.max_grad_norm", 0, "> 0"),
-    ("sft.dropout", 1.0, "[0, 1)"),
-    ("sft.splits", [], "empty"),
-    ("model.precision", "fp16", "one of auto, fp32, bf16"),
-    ("data.source", 3, "str"),
-    ("method", "rlhf", "one of ppo, dpo, best_of_n"),
-    ("dpo.beta", 0, "> 0"),
-    ("dpo.tau", -0.1, "> 0"),
-    ("dpo.label_smoothing", 0.5, "[0, 0.5)"),
-    ("dpo.loss", "sigmoid", "one of dpo, ipo"),
-    ("dpo.pairs", "human", "one of prepare, sampled"),
-    ("dpo.samples_per_prompt", 1, ">= 2"),
-    ("dpo.sample_prompts", 0, "> 0"),
-    ("evaluate.best_of_n", 0, ">= 1"),
-    ("model.lora.r", -1, ">= 0"),
-    ("model.lora.alpha", 0, "> 0"),
-    ("model.lora.dropout", 1.0, "[0, 1)"),
-    ("model.lora.target_modules", [], "empty"),
-    ("model.lora.target_modules", "c_attn", "list"),
+    ("ppo.checkpoint_every", "10", "valid integer (got '10')"),
+    ("ppo.max_grad_norm", 0, "greater than 0"),
+    ("sft.dropout", 1.0, "less than 1"),
+    ("sft.splits", [], "at least 1 item"),
+    ("model.precision", "fp16", "'auto', 'fp32' or 'bf16'"),
+    ("data.source", 3, "valid string"),
+    ("method", "rlhf", "'ppo', 'dpo' or 'best_of_n'"),
+    ("dpo.beta", 0, "greater than 0"),
+    ("dpo.tau", -0.1, "greater than 0"),
+    ("dpo.label_smoothing", 0.5, "less than 0.5"),
+    ("dpo.loss", "sigmoid", "'dpo' or 'ipo'"),
+    ("dpo.pairs", "human", "'prepare' or 'sampled'"),
+    ("dpo.samples_per_prompt", 1, "greater than or equal to 2"),
+    ("dpo.sample_prompts", 0, "greater than 0"),
+    ("evaluate.best_of_n", 0, "greater than or equal to 1"),
+    ("model.lora.r", -1, "greater than or equal to 0"),
+    ("model.lora.alpha", 0, "greater than 0"),
+    ("model.lora.dropout", 1.0, "less than 1"),
+    ("model.lora.target_modules", [], "at least 1 item"),
+    ("model.lora.target_modules", "c_attn", "valid list"),
 ])
 def test_strict_types_and_declared_bounds(raw: dict, dotted: str, value: object, rule: str) -> None:
     refused(with_value(raw, dotted, value), dotted, rule)
@@ -260,9 +260,9 @@ def test_yaml_1_2_numbers_are_numbers(tmp_path: Path, dotted: str, spelling: str
 
 
 @pytest.mark.parametrize(("dotted", "spelling", "rule"), [
-    ("ppo.learning_rate", "'5e-05'", "number (got '5e-05' (a string): write it without quotes)"),
-    ("ppo.steps", '"194"', "integer (got '194' (a string): write it without quotes)"),
-    ("ppo.adap_kl_ctrl", "yes", "bool (got 'yes')"),  # YAML 1.2: only true/false are booleans
+    ("ppo.learning_rate", "'5e-05'", "valid number (got '5e-05')"),
+    ("ppo.steps", '"194"', "valid integer (got '194')"),
+    ("ppo.adap_kl_ctrl", "yes", "valid boolean (got 'yes')"),  # YAML 1.2: only true/false are booleans
 ])
 def test_quoted_numbers_and_yaml_1_1_booleans_are_strings(tmp_path: Path, dotted: str, spelling: str,
                                                           rule: str) -> None:
@@ -299,7 +299,7 @@ def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
     ({"advantage_estimator": "grpo", "samples_per_prompt": 1}, "ppo.samples_per_prompt",
      ">= 2 with ppo.advantage_estimator grpo"),
     ({"samples_per_prompt": 3}, "ppo.batch_size", "multiple of ppo.samples_per_prompt (3)"),
-    ({"samples_per_prompt": 0}, "ppo.samples_per_prompt", "> 0"),
+    ({"samples_per_prompt": 0}, "ppo.samples_per_prompt", "greater than 0"),
     ({"kl_loss_coef": 0.04}, "ppo.kl_loss_coef", "0 with ppo.advantage_estimator gae"),
     ({"advantage_estimator": "reinforce_pp", "kl_loss_coef": 0.04}, "ppo.kl_loss_coef",
      "0 with ppo.advantage_estimator reinforce_pp"),
@@ -310,7 +310,7 @@ def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
     ({"advantage_estimator": "dpg", "samples_per_prompt": 4, "kl_penalty": "k3"}, "ppo.kl_penalty",
      "kl with ppo.advantage_estimator dpg"),
     ({"advantage_estimator": "dpg"}, "ppo.samples_per_prompt", ">= 2 with ppo.advantage_estimator dpg"),
-    ({"advantage_estimator": "ppo"}, "ppo.advantage_estimator", f"one of {', '.join(ESTIMATORS)}"),
+    ({"advantage_estimator": "ppo"}, "ppo.advantage_estimator", "should be " + ", ".join(map(repr, ESTIMATORS))[:20]),
 ])
 def test_estimator_rules_name_the_key(raw: dict, updates: dict, key: str, rule: str) -> None:
     raw["ppo"].update(updates)

@@ -11,13 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import dvc, error_line, set_params
+from conftest import ROOT, dvc, error_line, set_params
 
 from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.params import load_params, read_yaml
 from tools.presets import as_override, flatten, load_preset, local_inputs, overlay, untracked_inputs
 
-ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "presets").glob("*.yaml"))
 
 
@@ -108,7 +107,8 @@ def test_a_bad_preset_fails_before_running(tmp_path: Path) -> None:
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "broken.yaml").write_text("ppo:\n  batch_size: -1\n")
     shutil.copy(ROOT / "params.yaml", tmp_path)
-    error_line(run_recipe(tmp_path, "broken", "--dry-run"), "params.yaml: ppo.batch_size", "must be >= 2", alone=True)
+    error_line(run_recipe(tmp_path, "broken", "--dry-run"), "params.yaml: ppo.batch_size",
+               "greater than or equal to 2", alone=True)
     error_line(run_recipe(tmp_path, "nope", "--dry-run"), "presets/nope.yaml", "no such preset (known: broken)",
                alone=True)
 
@@ -119,14 +119,14 @@ def test_a_bad_preset_copies_no_input(tmp_path: Path, imdb_dir: Path) -> None:
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "broken.yaml").write_text("data:\n  source: data/raw/imdb\nppo:\n  batch_size: -1\n")
     shutil.copy(ROOT / "params.yaml", tmp_path)
-    error_line(run_recipe(tmp_path, "broken", "--imdb", str(imdb_dir)), "params.yaml: ppo.batch_size", "must be >= 2",
+    error_line(run_recipe(tmp_path, "broken", "--imdb", str(imdb_dir)), "params.yaml: ppo.batch_size",
+               "greater than or equal to 2",
                alone=True)
     assert not (tmp_path / "data").exists()
     # nor does an argument dvc exp run would refuse (it failed only once the inputs were copied)
     (tmp_path / "presets" / "broken.yaml").write_text("data:\n  source: data/raw/imdb\n")
     result = run_recipe(tmp_path, "broken", "--imdb", str(imdb_dir), "--bogus")
-    assert (result.returncode, result.stderr) == (1, "error: --bogus: not arguments of dvc exp run (dvc exp run "
-                                                     "--help lists them)\n")
+    error_line(result, "--bogus", "not arguments of dvc exp run", alone=True)
     assert not (tmp_path / "data").exists()
 
 

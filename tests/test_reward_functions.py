@@ -17,11 +17,13 @@ import torch
 from conftest import ROOT, set_params
 
 from rlhf.data.prompts import Prompts
-from rlhf.models.scorers import ClassifierScorer, make_reward_scorer
+from rlhf.models.reward_functions import load_functions
+from rlhf.models.scorers import ClassifierScorer, Scorer, make_reward_scorer
 from rlhf.pipeline.errors import RewardFunctionError
-from rlhf.pipeline.params import Params, defaults
+from rlhf.pipeline.params import Params, defaults, reward_model
 from rlhf.pipeline.paths import EVAL_PROMPTS, OPTIMUM_POOL, SAMPLED_TRAIN_PAIRS, TRAIN_PROMPTS
 from rlhf.pipeline.sections import RewardFunctionParams
+from rlhf.pipeline.wiring import wiring
 from stages import evaluate as evaluate_stage
 from stages import optimum as optimum_stage
 from stages import ppo as ppo_stage
@@ -54,6 +56,12 @@ def example(name: str) -> Callable:
 def forget_rewards() -> None:
     for name in [name for name in sys.modules if name == "rewards" or name.startswith("rewards.")]:
         del sys.modules[name]
+
+
+def reward_scorer(params: Params) -> Scorer:
+    """The ppo stage's training reward, as the stage builds it (its functions checked against dvc.yaml here)."""
+    functions = load_functions(params.reward.functions, PROBE, "ppo", wiring("ppo").deps)
+    return make_reward_scorer(functions, *reward_model(params), params.reward.positive_label, params.model, "cpu")
 
 
 def with_functions(*functions: tuple[str, float], model: str | None = None) -> Params:
@@ -95,19 +103,19 @@ def test_a_broken_function_fails_in_one_line_naming_it_before_a_model_loads(proj
     params = with_functions(("rewards.text:length_bonus", 1.0), (f"rewards.broken:{name}", 0.5),
                             model="not-a-model")
     with pytest.raises(RewardFunctionError, match=r"^reward\.functions\[1\]:? " + message) as error:
-        make_reward_scorer(params, "cpu", "ppo", PROBE)
+        reward_scorer(params)
     assert "\n" not in str(error.value)
 
 
 def test_the_training_reward_is_the_model_score_plus_the_weighted_functions(project_dir: Path,
                                                                           tiny_classifier_dir: Path) -> None:
     functions = (("rewards.text:repetition_penalty", 0.5), ("rewards.text:length_bonus", 2.0))
-    scorer = make_reward_scorer(with_functions(*functions, model=str(tiny_classifier_dir)), "cpu", "ppo", PROBE)
+    scorer = reward_scorer(with_functions(*functions, model=str(tiny_classifier_dir)))
     model = ClassifierScorer(str(tiny_classifier_dir), defaults().model)(PROMPTS, RESPONSES)
     penalty, bonus = (torch.tensor(example(f)(PROMPTS, RESPONSES)) for f in ("repetition_penalty", "length_bonus"))
     assert penalty[0] == -0.75 and bonus[3] == 0.05
     torch.testing.assert_close(scorer(PROMPTS, RESPONSES), model + 0.5 * penalty + 2.0 * bonus)
-    alone = make_reward_scorer(with_functions(*functions), "cpu", "ppo", PROBE)
+    alone = reward_scorer(with_functions(*functions))
     torch.testing.assert_close(alone(PROMPTS, RESPONSES), 0.5 * penalty + 2.0 * bonus)
 
 
@@ -117,15 +125,15 @@ def test_a_function_outside_the_stage_s_deps_is_refused_until_dvc_yaml_lists_it(
     params = with_functions(("my_reward:shout", 1.0))
     with pytest.raises(RewardFunctionError, match=r"^reward\.functions\[0\] \(my_reward:shout\): my_reward\.py is "
                                                   r"not among the ppo stage's deps in dvc\.yaml"):
-        make_reward_scorer(params, "cpu", "ppo", PROBE)
+        reward_scorer(params)
     Path("dvc.yaml").write_text(Path("dvc.yaml").read_text().replace("deps: [stages/ppo.py,",
                                                                      "deps: [my_reward.py, stages/ppo.py,"))
-    assert make_reward_scorer(params, "cpu", "ppo", PROBE)(PROMPTS, ["wow!!", "", "!", "."]).tolist() == [2, 0, 1, 0]
+    assert reward_scorer(params)(PROMPTS, ["wow!!", "", "!", "."]).tolist() == [2, 0, 1, 0]
     # an installed package's module lies outside the project: DVC cannot watch it, nothing to list
     site = tmp_path_factory.mktemp("site-packages")
     (site / "shouting.py").write_text("def shout(q, r):\n    return [x.count('!') for x in r]\n")
     monkeypatch.syspath_prepend(str(site))
-    make_reward_scorer(with_functions(("shouting:shout", 1.0)), "cpu", "ppo", PROBE)
+    reward_scorer(with_functions(("shouting:shout", 1.0)))
 
 
 def test_a_module_outside_the_deps_is_refused_before_its_top_level_code_runs(project_dir: Path) -> None:
@@ -137,13 +145,13 @@ def test_a_module_outside_the_deps_is_refused_before_its_top_level_code_runs(pro
     Path("mine/scores.py").write_text("open('module-ran', 'w').close()\ndef f(q, r):\n    return [0.0] * len(r)\n")
     for spec, culprit in (("loose:f", "loose.py"), ("mine.scores:f", "mine/__init__.py")):
         with pytest.raises(RewardFunctionError, match=rf"\({spec}\): {culprit} is not among the ppo stage's deps"):
-            make_reward_scorer(with_functions((spec, 1.0)), "cpu", "ppo", PROBE)
+            reward_scorer(with_functions((spec, 1.0)))
     assert not [name for name in ("loose-ran", "package-ran", "module-ran") if Path(name).exists()]
     assert "loose" not in sys.modules and "mine" not in sys.modules
     # listed, the package runs its code once the check has passed
     Path("dvc.yaml").write_text(Path("dvc.yaml").read_text().replace("deps: [stages/ppo.py,",
                                                                      "deps: [mine, stages/ppo.py,"))
-    make_reward_scorer(with_functions(("mine.scores:f", 1.0)), "cpu", "ppo", PROBE)
+    reward_scorer(with_functions(("mine.scores:f", 1.0)))
     assert Path("package-ran").exists() and Path("module-ran").exists()
     for name in ("mine.scores", "mine"):
         del sys.modules[name]
@@ -154,7 +162,7 @@ def test_a_missing_module_is_named(project_dir: Path) -> None:
                           ("rewards.text.deeper:f", "rewards.text.deeper")):
         with pytest.raises(RewardFunctionError, match=rf"^reward\.functions\[0\]: cannot import {missing} for {spec} "
                                                       rf"\(ModuleNotFoundError: no module named '{missing}'\)$"):
-            make_reward_scorer(with_functions((spec, 1.0)), "cpu", "ppo", PROBE)
+            reward_scorer(with_functions((spec, 1.0)))
 
 
 @pytest.mark.slow

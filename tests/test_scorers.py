@@ -11,9 +11,10 @@ from conftest import build_tiny_classifier
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rlhf.models.scorers import ClassifierScorer, VaderScorer, judge_name, make_reward_scorer, make_scorer
+from rlhf.models.scorers import ClassifierScorer, VaderScorer, make_reward_scorer, make_scorer
 from rlhf.pipeline.errors import ModelError
-from rlhf.pipeline.params import defaults
+from rlhf.pipeline.params import defaults, reward_model
+from rlhf.pipeline.sections import judge_name
 
 QUERIES = ["The movie was", "I think", "Awful", "A"]
 RESPONSES = [" great and moving.", " it was dull", " and boring, a mess", " superb film with a charming plot"]
@@ -37,10 +38,9 @@ def test_positive_logit_of_a_sentiment_classifier(tiny_classifier_dir: Path, bat
 
 def test_a_stage_s_batch_size_reaches_the_reward_model_and_the_judges(tiny_classifier_dir: Path) -> None:
     """evaluate scores evaluate.batch_size texts a forward pass (on a GPU: few, large launches), the same scores."""
-    params = defaults().model_copy(update={"reward": defaults().reward.model_copy(
-        update={"model": str(tiny_classifier_dir)})})
-    reward = make_reward_scorer(params, "cpu", "evaluate", QUERIES, batch_size=3)
-    judge = make_scorer(str(tiny_classifier_dir), params, "cpu", "evaluate.judges[0]", batch_size=3)
+    model, label = defaults().model, defaults().reward.positive_label
+    reward = make_reward_scorer([], str(tiny_classifier_dir), "reward.model", label, model, "cpu", batch_size=3)
+    judge = make_scorer(str(tiny_classifier_dir), model, label, "cpu", "evaluate.judges[0]", batch_size=3)
     rows = []
     reward.model.register_forward_hook(lambda module, args, kwargs, out: rows.append(len(kwargs["input_ids"])),
                                        with_kwargs=True)
@@ -80,7 +80,7 @@ def test_trained_reward_model_must_exist(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.chdir(tmp_path)
     params = defaults().model_copy(update={"reward": defaults().reward.model_copy(update={"train": True})})
     with pytest.raises(ModelError, match=r"^reward.train is true but models/reward holds no trained model"):
-        make_reward_scorer(params, "cpu", "ppo", [])
+        reward_model(params)
 
 
 def relabelled(tmp_path: Path, tokenizer_dir: Path, labels: dict[int, str]) -> Path:

@@ -1,10 +1,12 @@
-"""What DVC leaves to the stage it runs, tried through real ``dvc`` commands (issue 33).
+"""What DVC leaves to the stage it runs, tried through real ``dvc`` commands (issues 33, 54).
 
 - DVC releases its repository lock while a stage's command runs, so a second ``dvc exp run`` in the same workspace
-  would rewrite params.yaml under the running stage: it is refused before it changes anything, and the first run's
-  experiment is recorded with its own params.
+  writes its ``-S`` values into params.yaml under the running stage (and then fails on DVC's lock of the stage's
+  outputs): the running stage sees the change and records nothing.
 - ``kill <pid of dvc>`` leaves the stage running on its own: it stops right after its next checkpoint, and the next
   ``dvc repro`` resumes from it instead of starting over.
+- A stage killed after its outputs went in but before DVC recorded it: the next ``dvc repro`` removes them and reruns
+  it, which ends at once from the checkpoint of the run's last step.
 """
 
 from __future__ import annotations
@@ -20,24 +22,30 @@ from pathlib import Path
 
 import pytest
 from conftest import dvc, set_params
-from helpers import run_cli
 
 CHECKPOINTS = Path("data/checkpoints/ppo")
+FINISHED = ("models/policy/model.safetensors", "data/rollouts/steps-000000-000001.parquet",
+            "data/rollouts/steps-000002-000002.parquet")
+
+
+def committed(project: Path, **updates: object) -> Path:
+    """The ppo project with ``updates`` committed, for DVC to run ppo alone (``-s``); sft and reward are off, so their
+    outputs are their markers."""
+    set_params(project, **updates)
+    for model in ("sft", "reward"):
+        (project / "models" / model).mkdir(parents=True)
+        (project / "models" / model / "DISABLED").write_text(f"{model} is off\n")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", "add", "-A"], cwd=project, check=True, env=env)
+    subprocess.run(["git", "commit", "-qm", "tiny ppo"], cwd=project, check=True, env=env)
+    return project
 
 
 @pytest.fixture
 def long_ppo(ppo_project: Path) -> Path:
-    """The ppo project committed with 40 steps (a checkpoint every 4): long enough to act on while it runs. DVC
-    runs ppo alone (``-s``); sft and reward are off, so their outputs are their markers."""
-    set_params(ppo_project, **{"ppo.steps": 40, "ppo.checkpoint_every": 4})
-    for model in ("sft", "reward"):
-        (ppo_project / "models" / model).mkdir(parents=True)
-        (ppo_project / "models" / model / "DISABLED").write_text(f"{model} is off\n")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
-    subprocess.run(["git", "add", "-A"], cwd=ppo_project, check=True, env=env)
-    subprocess.run(["git", "commit", "-qm", "tiny ppo"], cwd=ppo_project, check=True, env=env)
-    return ppo_project
+    """40 steps (a checkpoint every 4): long enough to act on while it runs."""
+    return committed(ppo_project, **{"ppo.steps": 40, "ppo.checkpoint_every": 4})
 
 
 def start_dvc(project: Path, *args: str) -> subprocess.Popen:
@@ -62,19 +70,33 @@ def locked_learning_rate(project: Path) -> float:
 
 
 @pytest.mark.slow
-def test_a_second_exp_run_in_the_workspace_is_refused_before_it_rewrites_params(long_ppo: Path) -> None:
-    """While DVC runs ppo (with its repository lock released), ``dvc exp run -S`` is refused by DVC itself before it
-    stashes the workspace or writes its value; the running stage is recorded with its own params."""
+def test_a_second_exp_run_in_the_workspace_leaves_no_run_recorded_with_its_params(long_ppo: Path,
+                                                                                 tmp_path: Path) -> None:
+    """While DVC runs ppo (its repository lock released), ``dvc exp run -S`` writes its value into params.yaml and
+    fails on DVC's lock of ppo's outputs; the first run, its params changed under it, records nothing; with them
+    restored, ``dvc repro`` ends the run at once from its last checkpoint and records it with its own params."""
+    inputs = ("data/prompts", "models/sft", "models/reward")
+    for name in inputs:
+        shutil.copytree(long_ppo / name, tmp_path / name)
     set_params(long_ppo, **{"ppo.learning_rate": 1e-4})
     first = start_dvc(long_ppo, "repro", "-s", "ppo")
     wait_for_checkpoint(long_ppo, first)
     second = dvc(long_ppo, "exp", "run", "-s", "ppo", "-S", "ppo.learning_rate=2e-4", check=False)
-    assert second.returncode != 0
-    assert re.search(r"'workspace' is busy, it is being blocked by:\s+\(PID \d+\): python -m stages.ppo",
-                     second.stderr), second.stderr
-    assert "learning_rate: 0.0001" in (long_ppo / "params.yaml").read_text()  # untouched by the second
-    out, err = first.communicate(timeout=600)
-    assert first.returncode == 0, out + err
+    assert second.returncode != 0 and "is busy, it is being blocked by" in second.stderr, second.stderr
+    assert "learning_rate: 0.0002" in (long_ppo / "params.yaml").read_text()
+    _, stderr = first.communicate(timeout=600)
+    assert first.returncode != 0 and "Traceback" not in stderr
+    changed = [line for line in stderr.splitlines() if line.startswith("error: params.yaml changed while ppo ran")]
+    assert len(changed) == 1 and "(ppo.learning_rate: 0.0001 -> 0.0002)" in changed[0], stderr
+    assert changed[0].endswith("(dvc checkout ppo brings back the outputs DVC removed before the run)")
+    assert not (long_ppo / "dvc.lock").exists()
+
+    set_params(long_ppo, **{"ppo.learning_rate": 1e-4})
+    for name in inputs:  # the second's checkout removed them, DVC having no record of them in this test project
+        shutil.rmtree(long_ppo / name, ignore_errors=True)  # (where their stages ran, it checks them out)
+        shutil.copytree(tmp_path / name, long_ppo / name)
+    rerun = dvc(long_ppo, "repro", "-s", "ppo")
+    assert "resuming after step 39" in rerun.stderr + rerun.stdout
     assert locked_learning_rate(long_ppo) == 1e-4
 
 
@@ -94,10 +116,23 @@ def test_a_stage_whose_dvc_was_killed_stops_at_its_next_checkpoint_and_the_rerun
     assert f"resuming after step {int(kept[-1].removeprefix('step-'))}" in rerun.stderr + rerun.stdout
 
 
-def test_a_stage_that_cannot_take_dvcs_lock_is_one_line(project: Path) -> None:
-    """A read-only project, or a .dvc/tmp the user cannot write (here a file), was a traceback from taking the lock."""
-    shutil.rmtree(project / ".dvc/tmp", ignore_errors=True)
-    (project / ".dvc/tmp").write_text("")
-    result = run_cli(project, "evaluate")
-    assert (result.returncode, result.stderr) == (1, "error: .dvc/tmp/exps: cannot take DVC's experiments lock there "
-                                                     "(Not a directory); nothing was run\n")
+@pytest.mark.slow
+def test_a_finished_run_dvc_never_recorded_ends_at_once_on_the_next_repro(ppo_project: Path) -> None:
+    """ppo killed after its outputs went in, before DVC recorded it (SIGKILL at the first call after its main, through
+    tests/fault.py as the stage's command): DVC records nothing, and the next ``dvc repro`` removes the outputs and
+    reruns it, which resumes after the last step and writes the same weights and rollouts without training."""
+    committed(ppo_project)
+    shutil.copy(Path(__file__).parent / "fault.py", ppo_project / "fault.py")
+    wired = (ppo_project / "dvc.yaml").read_text()
+    after_main = r"^c:_signal\.signal$ --at 4"  # run_stage: 3 stop signals handled before main, ignored after
+    (ppo_project / "dvc.yaml").write_text(wired.replace(
+        "cmd: python -m stages.ppo", f"cmd: python fault.py ppo --kind kill --where {after_main}"))
+    killed = dvc(ppo_project, "repro", "-s", "ppo", check=False)
+    assert killed.returncode != 0 and "fault: kill at call 4" in killed.stderr, killed.stderr
+    assert not (ppo_project / "dvc.lock").exists()
+    finished = {path: (ppo_project / path).read_bytes() for path in FINISHED}
+    (ppo_project / "dvc.yaml").write_text(wired)
+    rerun = dvc(ppo_project, "repro", "-s", "ppo")
+    assert "resuming after step 2" in rerun.stderr + rerun.stdout
+    assert {path: (ppo_project / path).read_bytes() for path in FINISHED} == finished
+    assert "models/policy" in (ppo_project / "dvc.lock").read_text()

@@ -151,7 +151,7 @@ def evaluate_policy(policy: PreTrainedModel | None, reference: PreTrainedModel, 
     ``policy`` None: the policy run is the reward scorer's best of evaluate.best_of_n reference responses (whose
     greedy run is the reference's: N greedy decodes are one)."""
     cfg, e = params.ppo, params.evaluate
-    lengths = evaluation_lengths(params, len(prompts))
+    lengths = evaluation_lengths(len(prompts), cfg.response_min_tokens, cfg.response_max_tokens, params.seed)
     sampling = SamplingParams.of(cfg)
     runs: dict[str, Run] = {}
     for suffix, mode in {"": sampling, **({"_greedy": GREEDY} if e.greedy else {})}.items():

@@ -10,7 +10,6 @@ import functools
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +27,11 @@ from transformers import (
 from transformers.activations import ACT2FN, NewGELUActivation
 from transformers.utils import logging as hf_logging
 
-from rlhf.models.lora import merge_adapters
+from rlhf.models.lora import add_lora, merge_adapters
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import atomic_path
-from rlhf.pipeline.params import Params
-from rlhf.pipeline.paths import SFT_DIR, is_local
+from rlhf.pipeline.params import InitialPolicy
+from rlhf.pipeline.paths import is_local
 from rlhf.pipeline.sections import ModelParams
 
 log = logging.getLogger(__name__)
@@ -43,13 +42,6 @@ FAST_GELU = "gelu_pytorch_tanh"
 # the way on when a Hub id cannot be had because the Hub cannot be reached
 NO_HUB = ("without the Hub, the offline recipe trains its own models: python -m tools.recipe offline-cpu --imdb "
           "<IMDb folder> --tokenizer <GPT-2 tokenizer folder> (README)")
-
-
-def _load_kwargs(name: str, model: ModelParams) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"trust_remote_code": model.trust_remote_code}
-    if not is_local(name) and model.revision is not None:
-        kwargs["revision"] = model.revision
-    return kwargs
 
 
 @functools.cache
@@ -80,21 +72,27 @@ def unreachable_hub_id(value: str, repo_type: str) -> str | None:
     return None
 
 
-def check_local_dir(name: str, what: str) -> None:
-    """A local path must be an existing folder with a config.json; anything else must be reachable on the Hub (one
-    request, no retries) or be in its cache."""
-    check_exists(name, what)
-    if is_local(name) and not (Path(name).expanduser() / "config.json").exists():
+def source(name: str, what: str, model_folder: bool = False) -> Path | None:
+    """Where ``name`` is (paths.is_local decides): its local folder, which must exist (and, ``model_folder``, hold a
+    config.json), or None for a Hub id, which must be reachable (one request, no retries) or in the Hub cache."""
+    if not is_local(name):
+        if (reason := unreachable_hub_id(name, "model")) is not None:
+            raise ModelError(f"{what}: {name}: no such local path, and not reachable as a Hub id ({reason})")
+        return None
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        raise ModelError(f"{what}: {name}: no such directory")
+    if model_folder and not (folder / "config.json").exists():
         raise ModelError(f"{what}: {name}: not a model folder (no config.json)")
+    return folder
 
 
-def check_exists(name: str, what: str) -> None:
-    """A local folder that exists, or a Hub id that can be had (paths.is_local decides which ``name`` is)."""
-    if is_local(name):
-        if not Path(name).expanduser().is_dir():
-            raise ModelError(f"{what}: {name}: no such directory")
-    elif (reason := unreachable_hub_id(name, "model")) is not None:
-        raise ModelError(f"{what}: {name}: no such local path, and not reachable as a Hub id ({reason})")
+def load_kwargs(folder: Path | None, model: ModelParams) -> dict[str, Any]:
+    """from_pretrained's arguments from the model settings: the revision pins a Hub id only."""
+    kwargs: dict[str, Any] = {"trust_remote_code": model.trust_remote_code}
+    if folder is None and model.revision is not None:
+        kwargs["revision"] = model.revision
+    return kwargs
 
 
 def safetensors_problem(file: Path) -> str | None:
@@ -118,29 +116,21 @@ def safetensors_problem(file: Path) -> str | None:
     return None if size == expected else f"{size} bytes, its header describes {expected}"
 
 
-def check_safetensors(name: str, what: str) -> None:
-    """A truncated or empty weights file of a local model fails here, naming the file, not deep inside the loader."""
-    if not is_local(name):
-        return
-    for file in sorted(Path(name).expanduser().glob("model*.safetensors")):
-        if (problem := safetensors_problem(file)) is not None:
-            raise ModelError(f"{what}: {file} is truncated or corrupt ({problem})")
-
-
-def check_weights_format(name: str, what: str, allow_pickle: bool) -> None:
-    """Refuse a local checkpoint that only has pickled weights unless model.allow_pickle is set."""
-    if not is_local(name):
-        return
-    path = Path(name).expanduser()
-    has_safe = any((path / f).exists() for f in SAFE_WEIGHTS)
-    has_pickle = any((path / f).exists() for f in PICKLED_WEIGHTS)
+def check_weights(folder: Path, what: str, allow_pickle: bool) -> None:
+    """A local model's weights: safetensors, or pickled ones (pytorch_model.bin) only with model.allow_pickle; a
+    truncated or empty weights file fails here, naming the file, not deep inside the loader."""
+    has_safe = any((folder / f).exists() for f in SAFE_WEIGHTS)
+    has_pickle = any((folder / f).exists() for f in PICKLED_WEIGHTS)
     if not has_safe and has_pickle and not allow_pickle:
         raise ModelError(
-            f"{what}: {name}: only pickled weights (pytorch_model.bin), which can run arbitrary code when loaded; "
+            f"{what}: {folder}: only pickled weights (pytorch_model.bin), which can run arbitrary code when loaded; "
             "convert to safetensors or set model.allow_pickle: true to load them with weights_only=True"
         )
     if not has_safe and not has_pickle:
-        raise ModelError(f"{what}: {name}: no weights found (expected model.safetensors)")
+        raise ModelError(f"{what}: {folder}: no weights found (expected model.safetensors)")
+    for file in sorted(folder.glob("model*.safetensors")):
+        if (problem := safetensors_problem(file)) is not None:
+            raise ModelError(f"{what}: {file} is truncated or corrupt ({problem})")
 
 
 def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
@@ -149,9 +139,9 @@ def load_tokenizer(name: str, model: ModelParams, what: str = "model.tokenizer",
 
     ``padding_side`` defaults to left (generation); None keeps the tokenizer's own.
     """
-    check_exists(name, what)
+    folder = source(name, what)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, **_load_kwargs(name, model))
+        tokenizer = AutoTokenizer.from_pretrained(name, **load_kwargs(folder, model))
     except (OSError, ValueError) as e:
         reason = " ".join(str(e).split())  # the whole reason on one line: its first line can end mid-sentence
         raise ModelError(f"{what}: cannot load a tokenizer from {name!r}: {reason}") from None
@@ -190,9 +180,8 @@ def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, ne
     training keeps fp32 weights (bf16 only under autocast), and a half-precision policy beside its fp32 value head
     failed mid-step."""
     kwargs.setdefault("dtype", torch.float32)
-    check_local_dir(name, what)
-    check_weights_format(name, what, model.allow_pickle)
-    check_safetensors(name, what)
+    if (folder := source(name, what, model_folder=True)) is not None:
+        check_weights(folder, what, model.allow_pickle)
     verbosity = hf_logging.get_verbosity()
     # transformers' load report (a table of missing, unexpected and mismatched tensors) is silenced: what of it
     # matters is checked below from the loading info, in one line; a mismatch is reported there, not raised after it
@@ -200,7 +189,7 @@ def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, ne
     try:
         loaded, info = auto_cls.from_pretrained(
             name, use_safetensors=None if model.allow_pickle else True, output_loading_info=True,
-            ignore_mismatched_sizes=True, **_load_kwargs(name, model), **kwargs
+            ignore_mismatched_sizes=True, **load_kwargs(folder, model), **kwargs
         )
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise ModelError(f"{what}: cannot load a model from {name!r}: {str(e).splitlines()[0]}") from None
@@ -225,9 +214,9 @@ def _from_pretrained(auto_cls: Any, name: str, model: ModelParams, what: str, ne
 
 def load_config(name: str, model: ModelParams, what: str) -> PretrainedConfig:
     """A model's config alone (what it is, how many outputs), to check it before loading its weights."""
-    check_local_dir(name, what)
+    folder = source(name, what, model_folder=True)
     try:
-        return AutoConfig.from_pretrained(name, **_load_kwargs(name, model))
+        return AutoConfig.from_pretrained(name, **load_kwargs(folder, model))
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{what}: cannot load a model config from {name!r}: {str(e).splitlines()[0]}") from None
 
@@ -260,46 +249,40 @@ def check_vocab_match(tokenizer: PreTrainedTokenizerBase, lm: PreTrainedModel, w
         )
 
 
-@dataclass(frozen=True)
-class InitialPolicy:
-    """The initial policy, also the frozen reference: its weights, its tokenizer, and what messages call it (the
-    params key it came from, or its folder)."""
-
-    path: str
-    tokenizer: str
-    what: str
+def tokenizer_key(initial: InitialPolicy) -> str:
+    """What messages call the initial policy's tokenizer: model.tokenizer where it is not the policy's own."""
+    return initial.what if initial.path == initial.tokenizer else "model.tokenizer"
 
 
-def initial_policy(params: Params) -> InitialPolicy:
-    """models/sft when sft.enabled (its own tokenizer), else model.policy."""
-    if params.sft.enabled:
-        if not (SFT_DIR / "config.json").exists():
-            raise ModelError(f"sft.enabled is true but {SFT_DIR} holds no trained model (run the sft stage)")
-        return InitialPolicy(str(SFT_DIR), str(SFT_DIR), str(SFT_DIR))
-    return InitialPolicy(params.model.policy, params.tokenizer_path, "model.policy")
-
-
-def initial_tokenizer(params: Params) -> tuple[InitialPolicy, PreTrainedTokenizerBase]:
-    """The initial policy and its tokenizer. With sft.enabled the tokenizer is the one SFT saved; a model.tokenizer
-    set beside it must be that same tokenizer (one that is not would be ignored)."""
-    initial = initial_policy(params)
-    what = initial.what if initial.path == initial.tokenizer else "model.tokenizer"
-    tokenizer = load_tokenizer(initial.tokenizer, params.model, what=what)
-    if params.sft.enabled and params.model.tokenizer:
-        named = load_tokenizer(params.model.tokenizer, params.model, what="model.tokenizer")
+def initial_tokenizer(initial: InitialPolicy, model: ModelParams) -> PreTrainedTokenizerBase:
+    """The initial policy's tokenizer; beside models/sft, a model.tokenizer set must be that same tokenizer (one that
+    is not would be ignored)."""
+    tokenizer = load_tokenizer(initial.tokenizer, model, what=tokenizer_key(initial))
+    if initial.same_tokenizer:
+        named = load_tokenizer(initial.same_tokenizer, model, what="model.tokenizer")
         if named.get_vocab() != tokenizer.get_vocab():
-            raise ModelError(f"model.tokenizer: {params.model.tokenizer} is not the tokenizer {SFT_DIR} was trained "
-                             "with (rerun the sft stage)")
-    return initial, tokenizer
+            raise ModelError(f"model.tokenizer: {initial.same_tokenizer} is not the tokenizer {initial.path} was "
+                             "trained with (rerun the sft stage)")
+    return tokenizer
 
 
-def load_initial_policy(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """The initial policy (also the frozen reference) and its tokenizer, checked against each other, and what it is
-    called in messages."""
-    initial, tokenizer = initial_tokenizer(params)
-    lm = load_causal_lm(initial.path, params.model, what=initial.what)
-    check_vocab_match(tokenizer, lm, initial.what)
-    return lm, tokenizer, initial.what
+def load_initial_policy(initial: InitialPolicy, model: ModelParams
+                        ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The initial policy (also the frozen reference) and its tokenizer, checked against each other."""
+    tokenizer = initial_tokenizer(initial, model)
+    lm = load_causal_lm(initial.path, model, what=initial.what)
+    check_vocab_match(tokenizer, lm, tokenizer_key(initial))
+    return lm, tokenizer
+
+
+def load_trainable_policy(initial: InitialPolicy, model: ModelParams
+                          ) -> tuple[PreTrainedModel, PreTrainedModel | None, PreTrainedTokenizerBase]:
+    """The initial policy to train, its frozen reference and their tokenizer. With model.lora.r > 0 the policy trains
+    rank-r adapters and the reference is None: the policy with its adapters off (one copy of the weights)."""
+    lm, tokenizer = load_initial_policy(initial, model)
+    if model.lora.r:
+        return add_lora(lm, model.lora), None, tokenizer
+    return lm, load_causal_lm(initial.path, model, what=initial.what), tokenizer
 
 
 def context_size(lm: PreTrainedModel) -> int:

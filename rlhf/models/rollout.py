@@ -7,7 +7,6 @@ are the contiguous slice ``query_responses[:, P:]`` and ``response_mask`` (B, R)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -17,9 +16,6 @@ from rlhf.models.policy import PolicyWithValueHead, response_logits
 from rlhf.models.sampling import SamplingParams
 from rlhf.models.texts import response_texts
 from rlhf.rl.logprobs import logprobs_and_entropy
-
-if TYPE_CHECKING:
-    from rlhf.pipeline.params import Params
 
 
 @dataclass
@@ -66,12 +62,10 @@ def response_lengths(n: int, min_tokens: int, max_tokens: int, generator: torch.
     return torch.randint(min_tokens, max_tokens + 1, (n,), generator=generator).tolist()
 
 
-def evaluation_lengths(params: Params, n: int) -> list[int]:
-    """The response length of each of ``n`` eval prompts, drawn from the seed: the same in every run and for every
+def evaluation_lengths(n: int, min_tokens: int, max_tokens: int, seed: int) -> list[int]:
+    """The response length of each of ``n`` eval prompts, drawn from ``seed``: the same in every run and for every
     model (the optimum's pool samples its prompts at these lengths too)."""
-    cfg = params.ppo
-    return response_lengths(n, cfg.response_min_tokens, cfg.response_max_tokens,
-                            torch.Generator().manual_seed(params.seed))
+    return response_lengths(n, min_tokens, max_tokens, torch.Generator().manual_seed(seed))
 
 
 def left_pad(query_ids: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,12 +11,9 @@ import torch
 from transformers import PretrainedConfig
 
 from rlhf.models.loading import context_size, load_config, load_sequence_classifier, load_tokenizer
-from rlhf.models.reward_functions import Probe, RewardFunction, load_functions
+from rlhf.models.reward_functions import RewardFunction
 from rlhf.pipeline.errors import ModelError
-from rlhf.pipeline.params import Params
-from rlhf.pipeline.paths import REWARD_DIR
-from rlhf.pipeline.sections import ModelParams, judge_name
-from rlhf.pipeline.wiring import wiring
+from rlhf.pipeline.sections import ModelParams
 
 REWARD = "reward"  # the training reward's name among the scorers (evaluation, the optimum)
 VADER_POSITIVE = 0.05
@@ -51,7 +48,7 @@ class ClassifierScorer:
     def __init__(self, name_or_dir: str, model_params: ModelParams, positive_label: str = "POSITIVE",
                  device: torch.device | str = "cpu", batch_size: int = BATCH_SIZE, what: str = "reward.model",
                  max_tokens: int | None = None) -> None:
-        self.name = judge_name(name_or_dir)
+        self.name = what  # the params key it comes from
         self.index = check_scorer_config(name_or_dir, model_params, positive_label, what, max_tokens)
         self.model = load_sequence_classifier(name_or_dir, model_params, what=what).to(device).eval()
         # the classifier's own padding side: BERT-style models read position 0, GPT-style the last real token
@@ -126,14 +123,13 @@ class VaderScorer:
                              for q, r in zip(queries, responses, strict=True)], dtype=torch.float32)
 
 
-def make_scorer(spec: str, params: Params, device: torch.device | str, what: str,
+def make_scorer(spec: str, model: ModelParams, positive_label: str, device: torch.device | str, what: str,
                 max_tokens: int | None = None, batch_size: int = BATCH_SIZE) -> Scorer:
     """'vader' or a classifier (Hub id or local dir) that must hold ``max_tokens`` (prompt + response) positions,
     scoring ``batch_size`` texts a forward pass."""
     if spec == "vader":
         return VaderScorer()
-    return ClassifierScorer(spec, params.model, params.reward.positive_label, device, batch_size, what=what,
-                            max_tokens=max_tokens)
+    return ClassifierScorer(spec, model, positive_label, device, batch_size, what=what, max_tokens=max_tokens)
 
 
 class RewardScorer:
@@ -151,31 +147,13 @@ class RewardScorer:
         return total
 
 
-def reward_model_path(params: Params) -> tuple[str | None, str]:
-    """(path or id, params key) of the training reward's model: models/reward when reward.train, else reward.model
-    (None: reward.model is null, the reward functions alone)."""
-    if params.reward.train:
-        if not (REWARD_DIR / "config.json").exists():
-            raise ModelError(f"reward.train is true but {REWARD_DIR} holds no trained model (run the reward stage)")
-        return str(REWARD_DIR), str(REWARD_DIR)
-    return params.reward.model, "reward.model"
-
-
-def describe_reward(params: Params) -> str:
-    """The training reward in a line of Markdown: '`models/reward` + 0.5 x `rewards.text:repetition_penalty`'."""
-    parts = [f"`{path}`"] if (path := reward_model_path(params)[0]) is not None else []
-    parts += [f"{spec.weight:g} x `{spec.function}`" for spec in params.reward.functions]
-    return " + ".join(parts)
-
-
-def make_reward_scorer(params: Params, device: torch.device | str, stage: str, probe: Probe,
-                       max_tokens: int | None = None, batch_size: int = BATCH_SIZE) -> Scorer:
-    """The training reward of ``stage`` (ppo, sample_pairs, evaluate, optimum). Its reward functions load first and are
-    called once on a few of ``probe``'s prompts (the stage's: rlhf/models/reward_functions.py), then the model's
-    config is checked before its weights load (it must hold ``max_tokens`` positions): a broken function or model
-    fails before anything else is done."""
-    deps = wiring(stage).deps if params.reward.functions else ()
-    functions = load_functions(params.reward.functions, probe, stage, deps)
-    path, what = reward_model_path(params)
-    model = make_scorer(path, params, device, what, max_tokens, batch_size) if path is not None else None
-    return RewardScorer(model, functions) if functions else model
+def make_reward_scorer(functions: list[RewardFunction], path: str | None, what: str, positive_label: str,
+                       model: ModelParams, device: torch.device | str, max_tokens: int | None = None,
+                       batch_size: int = BATCH_SIZE) -> Scorer:
+    """The training reward: the model at ``path`` (None: the ``functions`` alone, loaded and tried first:
+    rlhf/models/reward_functions.py), its config checked before its weights load (it must hold ``max_tokens``
+    positions), plus the functions; the model scores ``batch_size`` texts a forward pass."""
+    if path is None:
+        return RewardScorer(None, functions)
+    scorer = make_scorer(path, model, positive_label, device, what, max_tokens, batch_size)
+    return RewardScorer(scorer, functions) if functions else scorer

@@ -1,12 +1,12 @@
 """The pipeline's exceptions: ``PipelineError`` and its kinds, for everything a user can get wrong (one line that names
-the culprit), a training loop's Ctrl-C, and how to recognise a full disk or GPU out-of-memory (rlhf/pipeline/cli.py
-turns each into one line and an exit status)."""
+the culprit), ``Stopped``, a stop signal where the program was, and how to recognise a full disk or GPU out-of-memory
+(rlhf/pipeline/cli.py turns each into one line and an exit status)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import re
+import signal
 import sys
 from collections.abc import Callable, Iterator
 
@@ -39,23 +39,25 @@ class TrainingError(PipelineError):
     """A numerical fault during training (NaN/inf score, loss or gradient)."""
 
 
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C inside a training loop, carrying the step it was on."""
+class Stopped(KeyboardInterrupt):
+    """A stop signal (Ctrl-C: SIGINT) raised where the program was, so that it unwinds as from Ctrl-C, keeping its
+    checkpoint; ``step``: the training step it stopped (``interrupted_at``)."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__(step)
-        self.step = step
+    def __init__(self, signum: int = signal.SIGINT, step: int | None = None) -> None:
+        super().__init__(signum)
+        self.signum, self.step = signal.Signals(signum), step
 
 
 @contextlib.contextmanager
 def interrupted_at(step: Callable[[], int]) -> Iterator[None]:
-    """Ctrl-C inside the block becomes ``Interrupted(step())``."""
+    """A stop inside the block (a plain KeyboardInterrupt is Ctrl-C's) carries the step it came at."""
     try:
         yield
-    except Interrupted:
+    except Stopped as e:
+        e.step = step() if e.step is None else e.step
         raise
     except KeyboardInterrupt:
-        raise Interrupted(step()) from None
+        raise Stopped(signal.SIGINT, step()) from None
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -70,13 +72,10 @@ def is_out_of_memory(error: BaseException) -> bool:
     return torch is not None and isinstance(error, torch.OutOfMemoryError)
 
 
-def lost_peer(error: BaseException) -> str | None:
-    """Why a collective failed when another process of a multi-process run died (gloo: its connection closed), in a
-    few words; None for any other error."""
+def processes(error: BaseException) -> int | None:
+    """The process count of the multi-process run that ``error`` stopped, where it can be a collective's failure
+    (another process died: gloo raises a plain RuntimeError, NCCL a DistError, itself one); None otherwise."""
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if not isinstance(error, RuntimeError) or dist is None or not dist.is_available() or not dist.is_initialized():
         return None
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    if not (isinstance(error, dist.DistError) or "gloo" in text and "peer" in text):
-        return None
-    return re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0]  # "[.../pair.cc:553] Connection closed by peer ...."
+    return dist.get_world_size() if dist.get_world_size() > 1 else None

@@ -1,15 +1,15 @@
-"""Writing outputs so that a stage either completes and replaces all of them, or fails and leaves every previous one
-as it was: ``StagedOutputs`` (a stage's outputs, as dvc.yaml lists them, staged and replaced together under the
-stage's lock) and ``atomic_path`` (one file or folder written beside its place and renamed into it)."""
+"""Writing outputs: a stage's outputs (dvc.yaml's) staged and moved into place when it completes (``StagedOutputs``),
+one file or folder written beside its place and renamed into it (``atomic_path``), and the checks that a stage can
+write before it starts."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import json
-import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -19,17 +19,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf.pipeline.cli import finishing
 from rlhf.pipeline.errors import PipelineError, is_disk_full
 from rlhf.pipeline.params import changed_since_read
-from rlhf.pipeline.paths import CHECKPOINTS_DIR, checkpoint_dir, output_path, staging_path
+from rlhf.pipeline.paths import CHECKPOINTS_DIR, output_path, staging_path
 from rlhf.pipeline.wiring import wiring
-
-log = logging.getLogger(__name__)
 
 UMASK = os.umask(0o022)
 os.umask(UMASK)
-REMOVED = ".removed"  # suffix of a folder being deleted (discard)
 DISABLED_MARKER = "DISABLED"  # the one file of a switched-off stage's model folder
 
 
@@ -88,16 +84,6 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def discard(path: Path) -> None:
-    """Delete ``path`` so that it is gone at once, whatever stops the deletion: renamed to a hidden ``.<name>.removed``
-    sibling first, then deleted (what a kill leaves there, the next run removes)."""
-    if os.path.lexists(path):
-        aside = path.parent / f".{path.name}{REMOVED}"
-        remove(aside)
-        os.replace(path, aside)
-        remove(aside)
-
-
 def require_free_space(folder: Path, needed: int, culprit: str, what: str, hint: str = "") -> None:
     """Stop naming ``culprit`` when ``folder``'s disk has less than ``needed`` bytes free for ``what``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -121,26 +107,25 @@ def check_writable(folder: Path, output: Path) -> None:
         raise PipelineError(f"{output}: cannot write in {folder}/ ({e.strerror}); nothing was run") from None
 
 
-def replaced_path(output: Path) -> Path:
+def aside(output: Path) -> Path:
     """Where a previous output waits while the new ones move in."""
     return output.parent / f".{output.name}.replaced"
 
 
 class StagedOutputs:
-    """A stage's outputs, written under ``paths.staging_path`` siblings and moved into place together on success.
+    """A stage's outputs, written under ``paths.staging_path`` siblings and moved into place together when the stage
+    completes, so that a stage run by hand that fails or is stopped leaves its previous outputs as they were (under
+    DVC, which removes a stage's outputs before running it and records them only when it completes, there are none).
 
-    Entering checks that every output's folder is writable, takes ``stage``'s lock (one run per workspace), finishes
-    what a killed run left half done (``recover``) and checks that every previous output can be moved aside.
-    ``outputs[path]`` is where to write ``path`` (an output or a file inside one). Leaving the block normally replaces
-    every output by its staged version, then deletes the stage's checkpoints (``commit``); leaving it by an exception
-    (Ctrl-C included) deletes the staging only. Whatever is killed when, the journal (data/checkpoints/.<stage>.commit)
-    exists from the moment every new output is staged until the previous ones are gone: a run that finds it moves the
-    new set in, one that does not puts every previous output back; never a mix of two runs' outputs.
+    Entering checks that every output's folder is writable and every previous output can be moved, and takes
+    ``stage``'s lock (one run of it at a time in a workspace). ``outputs[path]`` is where to write ``path`` (an
+    output or a file inside one). Leaving the block normally moves the staged outputs in (``commit``); leaving it by
+    an exception (Ctrl-C included) deletes them. A kill while they move in (milliseconds) leaves some outputs missing,
+    never two runs' outputs side by side; a training stage's rerun then finishes at once from the checkpoint it kept.
     """
 
     def __init__(self, outputs: Iterable[Path], stage: str | None = None) -> None:
         self.outputs, self.stage, self.lock = [Path(p) for p in outputs], stage, None
-        self.journal = CHECKPOINTS_DIR / f".{stage}.commit" if stage is not None else None
 
     @classmethod
     def of(cls, stage: str) -> StagedOutputs:
@@ -156,52 +141,37 @@ class StagedOutputs:
     def __enter__(self) -> StagedOutputs:
         for output in self.outputs:
             check_writable(output.parent, output)
-        if self.stage is not None:  # before the leftovers of a killed run are cleared: they may be a running one's
+        if self.stage is not None:  # before a killed run's leftovers are cleared: they may be a running one's
             self.lock = lock_stage(self.stage)
         try:
-            self.recover()
             for output in self.outputs:
                 remove(staging_path(output))
+                remove(aside(output))
                 if os.path.lexists(output):  # an immutable output, a read-only mount: fail now, not after the run
                     try:
-                        os.replace(output, replaced_path(output))
+                        os.replace(output, aside(output))
                     except OSError as e:
                         raise PipelineError(f"{output}: cannot be replaced ({e.strerror}); nothing was run") from None
-                    os.replace(replaced_path(output), output)
+                    os.replace(aside(output), output)
         except BaseException:
-            self.unlock()
+            self.__exit__(*sys.exc_info())
             raise
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         try:
-            if exc_type is None:
+            if exc_type is not None:
+                self.discard()
+            else:
                 try:
                     self.commit()
                 except BaseException:
                     self.discard()
                     raise
-            else:
-                self.discard()
         finally:
-            self.unlock()
-
-    def recover(self) -> None:
-        """Finish what a killed run left: with its journal, move the rest of its outputs in; without, put back every
-        previous output set aside (a failed replacement was putting them back)."""
-        if self.journal is not None and self.journal.exists():
-            log.info("%s: finishing the replacement of its outputs that a stopped run began", self.stage)
-            self.move_in()
-            self.finish(checkpoints=False)  # under DVC, which recorded nothing, a rerun of that run resumes from them
-        self.put_back()
-        if self.stage is not None:  # this stage's only: another stage may be deleting its own right now
-            remove(checkpoint_dir(self.stage).parent / f".{self.stage}{REMOVED}")
-
-    def unlock(self) -> None:
-        if self.lock is not None:
-            os.close(self.lock)
-            self.lock = None
+            if self.lock is not None:  # the standard library only, as after the outputs went in
+                os.close(self.lock)
 
     def discard(self) -> None:
         for output in self.outputs:
@@ -213,10 +183,10 @@ class StagedOutputs:
                            " (the previous one is replaced only when the stage completes)")
 
     def commit(self) -> None:
-        """Unless params.yaml changed under the stage (``params.changed_since_read``), replace the previous outputs by
-        the staged ones, each of which must have been written, then ``finish``; on a failure before the end, put
-        every previous output back."""
-        finishing()  # a stop from here on would report a finished run as failed
+        """Unless params.yaml changed under the stage (``params.changed_since_read``), replace the outputs by the
+        staged ones, each of which must have been written: every previous one set aside first, then every staged one
+        moved in; a failure or a stop on the way puts the previous ones back. Once they are in, only the standard
+        library runs: nothing may fail a finished stage."""
         if self.stage is not None and (change := changed_since_read(self.stage)):
             raise PipelineError(f"params.yaml changed while {self.stage} ran ({change}): its outputs were not "
                                 "replaced, as DVC would record them with the new values (another dvc exp run in "
@@ -224,49 +194,26 @@ class StagedOutputs:
                                 "checkpoint is kept: restore the params and rerun to resume")
         unwritten = [output for output in self.outputs if not os.path.lexists(staging_path(output))]
         if unwritten:  # a stage's bug: replacing a previous output by nothing would pass for a result
-            raise RuntimeError(f"{self.stage}: finished without writing {unwritten[0]}; the previous outputs are kept")
-        if self.journal is not None:
-            write_text(f"{os.getpid()}\n", self.journal)
+            raise RuntimeError(f"{self.stage}: finished without writing {unwritten[0]}; no output was replaced")
+        moves = [(output, staging_path(output), aside(output)) for output in self.outputs]
         try:
-            self.move_in()
+            for output, _, previous in moves:
+                if os.path.lexists(output):
+                    os.replace(output, previous)
+            for output, staged, _ in moves:
+                os.replace(staged, output)
         except BaseException:
-            if self.journal is not None:
-                remove(self.journal)
-            self.put_back()
-            raise
-        self.finish()
-
-    def move_in(self) -> None:
-        """Every previous output aside, then every staged one in; a repeat after a kill does what is left."""
-        for output in self.outputs:
-            with naming_disk_full(output):
-                if (os.path.lexists(staging_path(output)) and os.path.lexists(output)
-                        and not os.path.lexists(replaced_path(output))):
-                    os.replace(output, replaced_path(output))
-        for output in self.outputs:
-            with naming_disk_full(output):
-                if os.path.lexists(staging_path(output)):
+            for output, _, previous in moves:
+                if os.path.lexists(previous):
                     remove(output)
-                    os.replace(staging_path(output), output)
-
-    def put_back(self) -> None:
-        """Every previous output set aside returns to its place (over a new one moved in)."""
-        for output in self.outputs:
-            if os.path.lexists(backup := replaced_path(output)):
-                remove(output)
-                os.replace(backup, output)
-
-    def finish(self, checkpoints: bool = True) -> None:
-        """The new outputs are in place: delete the previous ones and (``checkpoints``) the stage's checkpoints, then
-        the journal. Only the standard library runs here, and nothing may fail the stage."""
-        for output in self.outputs:
+                    os.replace(previous, output)
+            raise
+        for _, _, previous in moves:
             with contextlib.suppress(OSError):
-                remove(replaced_path(output))
-        with contextlib.suppress(OSError):
-            if self.stage is not None and checkpoints:
-                discard(checkpoint_dir(self.stage))
-            if self.journal is not None:
-                self.journal.unlink(missing_ok=True)
+                if os.path.isdir(previous) and not os.path.islink(previous):
+                    shutil.rmtree(previous)
+                elif os.path.lexists(previous):
+                    os.unlink(previous)
 
 
 def lock_stage(stage: str) -> int:

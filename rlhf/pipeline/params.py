@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from ruamel.yaml import YAML, YAMLError
 
-from rlhf.pipeline.errors import ParamsError
+from rlhf.pipeline.errors import ModelError, ParamsError
+from rlhf.pipeline.paths import REWARD_DIR, SFT_DIR
 from rlhf.pipeline.section import Rule, Section
 from rlhf.pipeline.sections import Params
 from rlhf.pipeline.wiring import wiring
@@ -80,34 +82,18 @@ def expand(entries: tuple[str, ...] | list[str]) -> list[str]:
 
 # --- one line per error ----------------------------------------------------------------------------------------------
 
-BOUNDS = {"gt": ("(", ">"), "ge": ("[", ">="), "lt": (")", "<"), "le": ("]", "<=")}
-TYPE_RULES = {"int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be a bool",
-              "string_type": "must be a str", "model_type": "must be a mapping", "list_type": "must be a list",
-              "finite_number": "must be a finite number", "too_short": "must not be empty"}
 FIRST = {"extra_forbidden": 0, "missing": 1}  # a typo is named before the key it misspells is missing
 
 
-def _bounds(field: FieldInfo) -> str:
-    """'must be > 0', 'must be in [0, 1)' from a field's declared bounds."""
-    found = [(attr, getattr(bound, attr)) for bound in field.metadata for attr in BOUNDS if hasattr(bound, attr)]
-    low = next(((a, v) for a, v in found if a in ("gt", "ge")), None)
-    high = next(((a, v) for a, v in found if a in ("lt", "le")), None)
-    number = {a: str(v) if isinstance(v, int) else f"{v:g}" for a, v in found}
-    if low and high:
-        return f"must be in {BOUNDS[low[0]][0]}{number[low[0]]}, {number[high[0]]}{BOUNDS[high[0]][0]}"
-    attr = (low or high)[0]
-    return f"must be {BOUNDS[attr][1]} {number[attr]}"
-
-
 def message(error: dict[str, Any]) -> ParamsError:
-    """One pydantic error as ``params.yaml: <dotted key>: <rule> (got <value>)``."""
-    loc, value, kind = error["loc"], error["input"], error["type"]
+    """One pydantic error as ``params.yaml: <dotted key>: <rule> (got <value>)``: pydantic's rule, or ours for a rule
+    between keys (``Rule``); an unknown key lists the known ones, a missing one says what it is."""
+    loc, kind = error["loc"], error["type"]
     dotted = ".".join(part for part in loc if isinstance(part, str))
     key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-    got = f" (got {value!r})"
-    if kind == "value_error" and isinstance(rule_error := error["ctx"]["error"], Rule):
-        key = ".".join(filter(None, [key, rule_error.key]))
-        rule, got = rule_error.rule, f" (got {rule_error.value!r})"
+    rule, got = error["msg"][0].lower() + error["msg"][1:], f" (got {error['input']!r})"
+    if kind == "value_error" and isinstance(broken := error["ctx"]["error"], Rule):
+        key, rule, got = ".".join(filter(None, [key, broken.key])), broken.rule, f" (got {broken.value!r})"
     elif kind == "extra_forbidden":
         parent = dotted.rpartition(".")[0]
         known = (items(declaration(parent).annotation) if parent else Params).model_fields
@@ -116,22 +102,6 @@ def message(error: dict[str, Any]) -> ParamsError:
         field = declaration(dotted)
         what = "a section" if is_section(field.annotation) else " ".join((field.description or "").split())
         rule, got = f"missing (every key must be written out: params.yaml is DVC's cache key; {what})", ""
-    elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        rule = _bounds(declaration(dotted))
-    elif kind == "literal_error":
-        rule = "must be one of " + ", ".join(map(str, typing.get_args(declaration(dotted).annotation)))
-    elif kind in TYPE_RULES:
-        rule = TYPE_RULES[kind]
-        number = {"int_type": (int,), "float_type": (int, float)}.get(kind)
-        if number and isinstance(value, str):
-            try:
-                unquoted = parse_yaml(value, "")
-            except ParamsError:
-                unquoted = None
-            if isinstance(unquoted, number) and not isinstance(unquoted, bool):
-                got = f" (got {value!r} (a string): write it without quotes)"
-    else:
-        rule = error["msg"][0].lower() + error["msg"][1:]
     return ParamsError(f"params.yaml: {key + ': ' if key else ''}{rule}{got}", key or None)
 
 
@@ -198,6 +168,39 @@ def changed_since_read(stage: str) -> str | None:
         return f"it no longer validates: {e}"
     changes = [f"{key}: {before[key]!r} -> {now[key]!r}" for key in before if now[key] != before[key]]
     return "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else "") if changes else None
+
+
+# --- what the params point at ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InitialPolicy:
+    """The initial policy, also the frozen reference: its weights, its tokenizer, what messages call it (the params key
+    it came from, or its folder) and, beside models/sft, model.tokenizer (which must be the tokenizer sft saved)."""
+
+    path: str
+    tokenizer: str
+    what: str
+    same_tokenizer: str | None = None
+
+
+def initial_policy(params: Params) -> InitialPolicy:
+    """models/sft when sft.enabled (its own tokenizer), else model.policy."""
+    if params.sft.enabled:
+        if not (SFT_DIR / "config.json").exists():
+            raise ModelError(f"sft.enabled is true but {SFT_DIR} holds no trained model (run the sft stage)")
+        return InitialPolicy(str(SFT_DIR), str(SFT_DIR), str(SFT_DIR), params.model.tokenizer)
+    return InitialPolicy(params.model.policy, params.tokenizer_path, "model.policy")
+
+
+def reward_model(params: Params) -> tuple[str | None, str]:
+    """(path or id, params key) of the training reward's model: models/reward when reward.train, else reward.model
+    (None: reward.model is null, the reward functions alone)."""
+    if params.reward.train:
+        if not (REWARD_DIR / "config.json").exists():
+            raise ModelError(f"reward.train is true but {REWARD_DIR} holds no trained model (run the reward stage)")
+        return str(REWARD_DIR), str(REWARD_DIR)
+    return params.reward.model, "reward.model"
 
 
 @functools.cache

@@ -3,13 +3,14 @@
 DVC deletes a stage's outputs before it runs, so checkpoints live in ``data/checkpoints/<stage>/`` (git-ignored, not a
 DVC output). Each is a folder ``step-NNNNNN`` written to a temporary sibling and renamed into place (io.atomic_path),
 so a kill at any moment leaves the previous checkpoint or the new one, never half of one; an old one goes by one rename
-first (io.discard). Its ``state.json``, written last, carries a fingerprint of everything that determines the run
-(params, input files, code, library versions, process count) and the size and hash of every file saved; a
-checkpoint with another fingerprint belongs to another run, and one whose files are not what was saved (``damage``:
-a kill, a full disk, a bad sector, a hand) is damaged: either is removed with a log line, and the run resumes from its
-newest whole checkpoint or starts over: a damaged copy of a rollout chunk is found before it is published. A
-completed run deletes its checkpoints once its outputs are in place (io.StagedOutputs). A stage whose dvc was killed
-stops right after its next checkpoint (``stop_if_dvc_gone``).
+first (``discard``). Its ``state.json``, written last, carries a fingerprint of everything that determines the run
+(params, input files, code, library versions, process count) and the size and hash of every file saved; a checkpoint
+with another fingerprint belongs to another run, and one whose files are not what was saved (``damage``: a kill, a
+full disk, a bad sector, a hand) is damaged: either is removed with a log line, and the run resumes from its newest
+whole checkpoint or starts over: a damaged copy of a rollout chunk is found before it is published. A run saves one
+after its last step too and keeps it: rerun (a finished run whose outputs DVC never recorded, a kill while they went
+in), it ends at once; a later run with other params removes it. A stage whose dvc was killed stops right after its
+next checkpoint (``stop_if_dvc_gone``).
 
 Layout of a checkpoint:
     model.safetensors   the trained weights of the module (``trained_weights``: policy, and value head and critic
@@ -39,7 +40,7 @@ import xxhash
 from safetensors.torch import load_file, save_file
 
 from rlhf.pipeline.errors import PipelineError
-from rlhf.pipeline.io import REMOVED, atomic_path, check_writable, discard, remove, require_free_space
+from rlhf.pipeline.io import atomic_path, check_writable, remove, require_free_space
 from rlhf.pipeline.params import Params, changed_since_read, expand, stage_values
 from rlhf.pipeline.paths import CHECKPOINT_PREFIX, checkpoint_dir, checkpoints
 from rlhf.pipeline.wiring import wiring
@@ -57,6 +58,7 @@ HASH = "xxh3_128"
 CODE = ("stages/", "rlhf/", "rewards")  # the dvc.yaml deps that are the project's code (with any .py file listed)
 ROOT = Path(__file__).resolve().parents[2]  # the project whose code runs
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq: an AdamW checkpoint holds each weight three times
+REMOVED = ".removed"  # suffix of a checkpoint being deleted (discard)
 
 
 @dataclass
@@ -271,10 +273,21 @@ def restore_files(checkpoint: Checkpoint, files: dict[str, Path]) -> None:
                 shutil.copy2(checkpoint.path / saved, copy)
 
 
-# --- a stage whose dvc has exited ------------------------------------------------------------------------------------
+def discard(path: Path) -> None:
+    """Delete ``path`` so that it is gone at once, whatever stops the deletion: renamed to a hidden ``.<name>.removed``
+    sibling first, then deleted (what a kill leaves there, the next ``find`` removes)."""
+    if os.path.lexists(path):
+        aside = path.parent / f".{path.name}{REMOVED}"
+        remove(aside)
+        os.replace(path, aside)
+        remove(aside)
+
+
+# --- stopping at a checkpoint ----------------------------------------------------------------------------------------
 # ``kill <pid of dvc>`` stops DVC alone: the stage would run on as an orphan whose result DVC never records, and the
 # next ``dvc repro`` would start it over. So a stage that DVC started stops right after its next checkpoint once DVC
 # has exited, and the rerun resumes from it. A stage run by hand is never stopped this way (``nohup`` on purpose).
+# The same stop comes when params.yaml changed under the stage.
 
 
 def _is_dvc(cmdline: list[str]) -> bool:
@@ -314,32 +327,21 @@ def dvc_gone() -> int | None:
     return None if alive else pid
 
 
-def stop_if_dvc_gone(stage: str, step: int, pid: int | None) -> None:
-    """Right after a checkpoint of ``stage``: with ``pid`` (``dvc_gone()``, agreed by every process), stop."""
-    if pid is not None:
-        kept = checkpoints(checkpoint_dir(stage))
-        raise PipelineError(f"stopped after step {step}: the dvc process that ran {stage} (pid {pid}) has exited, so "
-                            f"it would never record this run; checkpoint {kept[-1] if kept else 'none'} kept: rerun "
-                            "(dvc repro) to resume")
-
-
-# --- params.yaml changed under a running stage -----------------------------------------------------------------------
-# The commit refuses outputs made with params other than those params.yaml now holds (DVC would record them together):
-# a stage checks at each checkpoint too, and stops there rather than train on to a result it would refuse.
-
-
-def params_changed(stage: str) -> str | None:
-    """What changed in params.yaml among the keys ``stage`` read ("ppo.learning_rate: 1e-05 -> 2e-05"), or None
-    (``params.changed_since_read``)."""
-    return changed_since_read(stage)
-
-
-def stop_if_params_changed(stage: str, step: int, change: str | None) -> None:
-    """Right after a checkpoint of ``stage``: with ``change`` (``params_changed()``, agreed by every process), stop,
-    keeping the checkpoint."""
-    if change is not None:
-        kept = checkpoints(checkpoint_dir(stage))
-        raise PipelineError(f"params.yaml changed while {stage} ran ({change}): stopped after step {step}, as its "
-                            "outputs would be recorded with the new values; checkpoint "
-                            f"{kept[-1] if kept else 'none'} kept: restore the params and rerun to resume (run "
-                            "experiments one at a time, or queue them: dvc exp run --queue)")
+def stop_reason(stage: str, step: int) -> str | None:
+    """Why ``stage`` stops right after its checkpoint of ``step``, as its one line, or None: the dvc that started it
+    has exited (``dvc_gone``), or params.yaml changed among the keys it read (``params.changed_since_read``: the end
+    would refuse outputs made with other values than DVC records beside them, so the run stops here rather than train
+    on). Either way the checkpoint is kept and the rerun resumes from it."""
+    if (pid := dvc_gone()) is not None:
+        why = (f"stopped after step {step}: the dvc process that ran {stage} (pid {pid}) has exited, so it would "
+               "never record this run")
+        advice = "rerun (dvc repro) to resume"
+    elif (change := changed_since_read(stage)) is not None:
+        why = (f"params.yaml changed while {stage} ran ({change}): stopped after step {step}, as its outputs would "
+               "be recorded with the new values")
+        advice = ("restore the params and rerun to resume (run experiments one at a time, or queue them: dvc exp "
+                  "run --queue)")
+    else:
+        return None
+    kept = checkpoints(checkpoint_dir(stage))
+    return f"{why}; checkpoint {kept[-1] if kept else 'none'} kept: {advice}"

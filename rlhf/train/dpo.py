@@ -31,13 +31,13 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.pairs import read_pairs
-from rlhf.models.loading import context_size, initial_policy
+from rlhf.models.loading import context_size
 from rlhf.models.policy import disable_dropout
 from rlhf.models.precision import autocast
 from rlhf.models.rollout import Samples, forward, left_pad
 from rlhf.pipeline.errors import DataError, ModelError
 from rlhf.pipeline.io import DISABLED_MARKER, write_parquet, write_text
-from rlhf.pipeline.params import Params
+from rlhf.pipeline.params import Params, initial_policy
 from rlhf.pipeline.paths import (
     PAIRS_DIR,
     REF_LOGPROBS_DIR,
@@ -134,12 +134,21 @@ class History:
         self.eval_every = max(1, steps // EVAL_POINTS)
         self.rows: list[dict[str, float]] | None = None
 
-    def __call__(self, step: int, stats: dict[str, float]) -> None:
-        if self.rows is None:  # the first step of this process: a resumed run keeps the steps before it
+    def read(self, step: int | None = None) -> list[dict[str, float]]:
+        """The rows so far; first called at ``step`` (None: after the last, a run resumed from its final checkpoint),
+        those of the steps before it that the run being resumed wrote."""
+        if self.rows is None:
+            step = self.steps if step is None else step
             earlier = self.file.read_text().splitlines() if step and self.file and self.file.exists() else []
             self.rows = [row for row in map(json.loads, earlier) if row["step"] < step]
             if self.file:
+                for other in set(self.file.parent.glob("history-*.jsonl")) - {self.file}:  # other runs'
+                    other.unlink()
                 write_text("".join(json.dumps(row) + "\n" for row in self.rows), self.file)
+        return self.rows
+
+    def __call__(self, step: int, stats: dict[str, float]) -> None:
+        self.read(step)
         row = {"step": step} | {f"train/{key}": value for key, value in stats.items()}
         if (step + 1) % self.eval_every == 0 or step + 1 == self.steps:
             row |= {f"eval/{key}": value for key, value in self.evaluate().items()}
@@ -152,7 +161,7 @@ class History:
         from rlhf.train.curves import open_curves  # dvclive's import is slow: only where curves are written
 
         with open_curves(folder, resume=False) as live:
-            for row in self.rows or []:
+            for row in self.read():
                 for key, value in row.items():
                     if key != "step":
                         live.log_metric(key, value, plot=True)

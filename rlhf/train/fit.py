@@ -21,7 +21,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 from tqdm import tqdm
 
-from rlhf.pipeline.errors import ParamsError, TrainingError, interrupted_at
+from rlhf.pipeline.errors import ParamsError, PipelineError, TrainingError, interrupted_at
 from rlhf.pipeline.paths import checkpoint_dir
 from rlhf.train import checkpoint, rng
 from rlhf.train.batches import Batches
@@ -91,8 +91,9 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
             pending.append(loss)
-            checkpoint_due = (bool(plan.fingerprint) and (step + 1) % plan.checkpoint_every == 0
-                              and step + 1 < plan.steps)
+            # the last step's too: a rerun of a finished run (one DVC never recorded) ends at once
+            checkpoint_due = bool(plan.fingerprint) and ((step + 1) % plan.checkpoint_every == 0
+                                                         or step + 1 == plan.steps)
             if len(pending) == READ_EVERY or checkpoint_due or step + 1 == plan.steps:
                 losses += read_losses(pending, step + 1 - len(pending), plan.section)
                 pending = []
@@ -102,8 +103,8 @@ def fit(model: torch.nn.Module, param_groups: ParamsT,
             if checkpoint_due:
                 save(folder, plan, step, model, optimizer, schedule, {
                     "losses": losses, "seconds": earlier + time.perf_counter() - start, "data": batches.state_dict()})
-                checkpoint.stop_if_dvc_gone(plan.section, step, checkpoint.dvc_gone())
-                checkpoint.stop_if_params_changed(plan.section, step, checkpoint.params_changed(plan.section))
+                if why := checkpoint.stop_reason(plan.section, step):
+                    raise PipelineError(why)
     return FitResult(losses, earlier + time.perf_counter() - start)
 
 

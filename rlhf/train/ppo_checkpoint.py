@@ -8,13 +8,13 @@ resumed run puts them back into the staging.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlhf.models.loading import initial_policy
 from rlhf.models.policy import PolicyWithValueHead
-from rlhf.models.scorers import reward_model_path
+from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS, checkpoint_dir, staging_path
 from rlhf.train import checkpoint, rng
@@ -25,26 +25,25 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-STATE_KEYS = ("trainer", "data", "rng", "live_step", "last_stats")  # what a resume reads from state.json
+STATE_KEYS = ("trainer", "data", "rng", "live_step", "last_stats", "seconds")  # what a resume reads from state.json
 
 
-def run_fingerprint(params: Params, processes: int) -> str:
-    """What determines a PPO run: the params the stage reads, its input files, the number of processes."""
+def run_fingerprint(params: Params, models: list[str | None], processes: int) -> str:
+    """What determines a PPO run: the params the stage reads, its input files (the prompts and ``models``: the
+    policy's, its tokenizer's, the reward model's, where local), the number of processes."""
     # nan_policy is left out: a run under "stop" has met no NaN before its last checkpoint, so after a NaN stop,
     # switching to "skip" resumes from that checkpoint instead of step 0
-    initial = initial_policy(params)
-    inputs = [TRAIN_PROMPTS, initial.path, initial.tokenizer]
-    if (reward := reward_model_path(params)[0]) is not None:  # none: the reward functions alone (code deps)
-        inputs.append(reward)
-    return checkpoint.fingerprint("ppo", params, inputs,
+    return checkpoint.fingerprint("ppo", params, [TRAIN_PROMPTS, *filter(None, models)],
                                   exclude=("ppo.nan_policy",), extra={"processes": processes})
 
 
 @dataclass
 class Checkpointing:
-    """Where the ppo stage checkpoints, the run's fingerprint, and the staged outputs a checkpoint keeps copies of."""
+    """Where the ppo stage checkpoints, the run's fingerprint, the staged outputs a checkpoint keeps copies of, and
+    when the run started (``start``: earlier by the training time a resumed checkpoint saw)."""
 
     fingerprint: str
+    start: float = dataclasses.field(default_factory=time.perf_counter)
     folder: Path = dataclasses.field(default_factory=lambda: checkpoint_dir("ppo"))
     files: dict[str, Path] = dataclasses.field(default_factory=lambda: {"rollouts": staging_path(ROLLOUTS_DIR),
                                                                         "curves": staging_path(PPO_CURVES)})
@@ -63,27 +62,19 @@ class Checkpointing:
         optimizer_state = state.pop("optimizer")
         checkpoint.save(self.folder, step, trainer.policy, optimizer_state,
                         {"fingerprint": self.fingerprint, "trainer": state, "data": order.state_dict(), "rng": states,
-                         "live_step": live_step, "last_stats": last}, self.files)
+                         "live_step": live_step, "last_stats": last, "seconds": time.perf_counter() - self.start},
+                        self.files)
 
-    def stop_if_dvc_gone(self, step: int, accelerator: Accelerator) -> None:
-        """After a save: stop, every process alike, when the dvc that started the stage has exited
-        (checkpoint.dvc_gone)."""
+    def stop_if_due(self, step: int, accelerator: Accelerator) -> None:
+        """After a save: stop, every process alike, where any has a reason to (``checkpoint.stop_reason``: its dvc
+        exited, params.yaml changed)."""
         from accelerate.utils import gather_object
 
-        gone = [checkpoint.dvc_gone()]
+        reasons = [checkpoint.stop_reason("ppo", step)]
         if accelerator.num_processes > 1:
-            gone = gather_object(gone)
-        checkpoint.stop_if_dvc_gone("ppo", step, next((pid for pid in gone if pid is not None), None))
-
-    def stop_if_params_changed(self, step: int, accelerator: Accelerator) -> None:
-        """After a save: stop, every process alike, when params.yaml changed under the stage
-        (checkpoint.params_changed): its outputs would be refused at the end."""
-        from accelerate.utils import gather_object
-
-        changes = [checkpoint.params_changed("ppo")]
-        if accelerator.num_processes > 1:
-            changes = gather_object(changes)
-        checkpoint.stop_if_params_changed("ppo", step, next((change for change in changes if change), None))
+            reasons = gather_object(reasons)
+        if why := next((reason for reason in reasons if reason), None):
+            raise PipelineError(why)
 
     def restore(self, found: checkpoint.Checkpoint, trainer: PPOTrainer, order: Batches,
                 accelerator: Accelerator) -> None:
@@ -93,14 +84,15 @@ class Checkpointing:
         trainer.load_state_dict({**found.state["trainer"], "optimizer": checkpoint.load_optimizer_state(found)})
         order.load_state_dict(found.state["data"])
         rng.set_rng_states(found.state["rng"][accelerator.process_index], {"length": trainer.length_generator})
+        self.start -= found.state["seconds"]
 
 
-def find_checkpoint(params: Params, policy: PolicyWithValueHead,
+def find_checkpoint(params: Params, models: list[str | None], policy: PolicyWithValueHead,
                     accelerator: Accelerator) -> tuple[Checkpointing | None, checkpoint.Checkpoint | None]:
     """The run's checkpointing (None when ppo.checkpoint_every is 0) and the checkpoint to resume from, if any."""
     if not params.ppo.checkpoint_every:
         return None, None
-    ckpt = Checkpointing(run_fingerprint(params, accelerator.num_processes))
+    ckpt = Checkpointing(run_fingerprint(params, models, accelerator.num_processes))
     if accelerator.is_main_process:
         checkpoint.check_room_for_checkpoints(ckpt.folder, checkpoint.checkpoint_bytes(policy),
                                               "ppo.checkpoint_every", ckpt.fingerprint)
