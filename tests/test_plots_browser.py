@@ -79,7 +79,7 @@ def fake_frontier(project: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 def fake_plot_data(project: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Write a few rows into every file a top-level plot reads, with the fields it names; return the plot ids."""
     spec = yaml.safe_load((project / "dvc.yaml").read_text())
-    ids = []
+    ids, columns = [], {}  # columns: {file: [x, fields...]}, gathered first: several plots read one file
     for entry in spec["plots"]:
         ((plot_id, plot),) = entry.items()
         if plot_id == str(CHART_DIR):  # a folder of files, one chart each, with a template of its own
@@ -87,12 +87,14 @@ def fake_plot_data(project: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
             continue
         ids.append(plot_id)
         for name, fields in plot["y"].items():
-            fields = [fields] if isinstance(fields, str) else fields
-            path = project / name
-            sep = "\t" if path.suffix == ".tsv" else ","
-            rows = [[plot["x"], *fields]] + [[i, *(0.5 * i * (k + 1) for k in range(len(fields)))] for i in range(8)]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(sep.join(map(str, row)) + "\n" for row in rows))
+            names = columns.setdefault(name, [plot["x"]])
+            names += [f for f in ([fields] if isinstance(fields, str) else fields) if f not in names]
+    for name, names in columns.items():
+        path = project / name
+        sep = "\t" if path.suffix == ".tsv" else ","
+        rows = [names] + [[i, *(0.5 * i * (k + 1) for k in range(len(names) - 1))] for i in range(8)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(sep.join(map(str, row)) + "\n" for row in rows))
     return ids
 
 
