@@ -28,7 +28,12 @@ def write_aclimdb(root: Path, frames: dict[str, pd.DataFrame]) -> Path:
 
 
 def write_table(frame: pd.DataFrame, path: Path) -> Path:
-    frame.to_csv(path, index=False) if path.suffix == ".csv" else frame.to_parquet(path)
+    if path.suffix == ".csv":
+        frame.to_csv(path, index=False, sep=";" if path.stem.endswith("semicolon") else ",")
+    elif path.suffix == ".jsonl":
+        frame.to_json(path, orient="records", lines=True)
+    else:
+        frame.to_parquet(path)
     return path
 
 
@@ -70,7 +75,8 @@ def test_missing_rating_and_review_id(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "naming"), [("imdb.csv", "text/label"), ("imdb.csv", "review/sentiment"),
-                                              ("imdb.parquet", "text/label")])
+                                              ("imdb-semicolon.csv", "review/sentiment"),
+                                              ("imdb.jsonl", "text/label"), ("imdb.parquet", "text/label")])
 def test_one_file_source(tmp_path: Path, name: str, naming: str) -> None:
     frame = make_split(80, seed=5)[["text", "label"]]
     to_disk = kaggle_naming if naming == "review/sentiment" else (lambda f: f)
@@ -229,7 +235,7 @@ def test_unknown_split(imdb_dir: Path) -> None:
                                                             r"train, test, unsupervised$"),
     ("imdb.csv", b"text,label,split\na,1,train\nb,0,train\n", r"imdb.csv: no 'test' rows \(a one-file source "
                                                               r"gets its splits from its split column\)$"),
-    ("imdb.txt", b"text,label\n", r"imdb.txt: not a .csv or .parquet file"),
+    ("imdb.txt", b"text,label\n", r"imdb.txt: not a .csv, .jsonl or .parquet file"),
 ])
 def test_bad_one_file_source(tmp_path: Path, name: str, content: bytes, message: str) -> None:
     (tmp_path / name).write_bytes(content)

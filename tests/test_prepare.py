@@ -209,6 +209,23 @@ def test_pairs_file_split_ids_and_ratings(tmp_path: Path) -> None:
     assert test["chosen_rating"].tolist() == [9, 9, 9] and test["rejected_rating"].tolist() == [0, 4, 1]
 
 
+def test_trl_preference_data_with_a_prompt_column_scores_prompt_and_completion(tmp_path: Path) -> None:
+    frame = pd.DataFrame({"prompt": ["The film", "The film", ""], "chosen": [" was great", " moved me", "Loved it"],
+                          "rejected": [" was dull", " bored me", "Hated it"], "split": ["train", "train", "test"]})
+    tables = read_pairs_file(write_pairs(frame, tmp_path / "pairs.jsonl"), np.random.default_rng(0))
+    train = tables["train"].to_pandas()
+    assert train["chosen"].tolist() == ["The film was great", "The film moved me"]
+    assert train["rejected"].tolist() == ["The film was dull", "The film bored me"]
+    assert tables["test"].to_pandas()["chosen"].tolist() == ["Loved it"]
+
+
+def test_trl_conversational_pairs_are_refused_naming_the_chat_template(tmp_path: Path) -> None:
+    turn = [{"role": "user", "content": "Review?"}, {"role": "assistant", "content": "Great"}]
+    path = write_pairs(pd.DataFrame({"chosen": [turn], "rejected": [turn[:1]]}), tmp_path / "pairs.jsonl")
+    with pytest.raises(DataError, match=f"^{path}: chosen holds lists of messages .*chat template"):
+        read_pairs_file(path, np.random.default_rng(0))
+
+
 @pytest.mark.parametrize(("name", "frame", "message"), [
     ("pairs.parquet", pd.DataFrame({"chosen": ["a"], "other": ["b"]}),
      r"missing column 'rejected' \(columns: chosen, other\)$"),

@@ -3,10 +3,10 @@
 ``data.source`` may be
 - a Hub dataset id (``stanfordnlp/imdb``): ``datasets.load_dataset(source, revision=data.revision)``;
 - a folder of Parquet splits: ``train.parquet``, ``test.parquet``, optional ``unsupervised.parquet`` (../shared/imdb);
-- one ``.csv`` or ``.parquet`` file holding every split: a ``split`` column (train/test/unsupervised) places each row,
-  else a hash of the review text sends half the rows to train and half to test, like IMDb's own 25k/25k. A hash, not
-  a shuffle: a review stays on its side whatever the seed and whatever rows are added or removed, and duplicates of a
-  review land on the same side;
+- one ``.csv`` (comma, semicolon or tab separated), ``.jsonl`` or ``.parquet`` file holding every split: a
+  ``split`` column (train/test/unsupervised) places each row, else a hash of the review text sends half the rows to
+  train and half to test, like IMDb's own 25k/25k. A hash, not a shuffle: a review stays on its side whatever the seed
+  and whatever rows are added or removed, and duplicates of a review land on the same side;
 - an extracted ``aclImdb/`` folder (``{train,test}/{pos,neg}/<id>_<rating>.txt``, ``train/unsup/``) or its parent.
 
 Columns may be text/label or review/sentiment (Kaggle's "IMDB Dataset.csv"); labels positive/negative (pos/neg) read as
@@ -37,7 +37,7 @@ COLUMNS = ["text", "label", "rating", "review_id"]
 RENAMES = {"review": "text", "sentiment": "label"}
 LABEL_NAMES = {"positive": 1, "pos": 1, "negative": 0, "neg": 0}
 LABEL_DIRS = {1: "pos", 0: "neg", -1: "unsup"}
-TABLE_SUFFIXES = (".csv", ".parquet")
+TABLE_SUFFIXES = (".csv", ".jsonl", ".parquet")
 
 
 def load_imdb(source: str, revision: str | None, splits: Sequence[str]) -> dict[str, pd.DataFrame]:
@@ -84,7 +84,8 @@ def _read_split_file(folder: Path, split: str) -> tuple[pd.DataFrame, str]:
     path = folder / f"{split}.parquet"
     if not path.is_file():
         raise DataError(f"{folder}: no {split}.parquet (a Parquet source folder holds train.parquet, test.parquet "
-                        "and optionally unsupervised.parquet; or use a .csv/.parquet file or an aclImdb/ folder)")
+                        "and optionally unsupervised.parquet; or use a .csv/.jsonl/.parquet file or an aclImdb/ "
+                        "folder)")
     return _read_parquet(path), str(path)
 
 
@@ -97,16 +98,22 @@ def _read_parquet(path: Path) -> pd.DataFrame:
 
 def _read_table(path: Path) -> pd.DataFrame:
     if path.suffix.lower() not in TABLE_SUFFIXES:
-        raise DataError(f"{path}: not a .csv or .parquet file (data.source is a Hub id, a folder of Parquet splits, "
-                        "a .csv/.parquet file or an aclImdb/ folder)")
+        raise DataError(f"{path}: not a .csv, .jsonl or .parquet file (data.source is a Hub id, a folder of Parquet "
+                        "splits, a .csv/.jsonl/.parquet file or an aclImdb/ folder)")
     if path.suffix.lower() == ".parquet":
         return _read_parquet(path)
     try:
-        return pd.read_csv(path, encoding="utf-8")
+        if path.suffix.lower() == ".jsonl":  # dtype=False: keep "5" a string, never guess types from the text
+            return pd.read_json(path, lines=True, dtype=False, encoding="utf-8")
+        with path.open(encoding="utf-8") as f:
+            header = f.readline()
+        # a spreadsheet's export in a European locale separates with ';', some exports with tabs
+        sep = max(",;\t", key=header.count)
+        return pd.read_csv(path, encoding="utf-8", sep=sep)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason})") from None
-    except (pd.errors.ParserError, pd.errors.EmptyDataError) as e:
-        raise DataError(f"{path}: unreadable CSV: {str(e).splitlines()[0]}") from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as e:
+        raise DataError(f"{path}: unreadable {path.suffix.lower()[1:].upper()}: {str(e).splitlines()[0]}") from None
 
 
 def _split_table(frame: pd.DataFrame, path: Path, splits: Sequence[str]) -> dict[str, tuple[pd.DataFrame, str]]:

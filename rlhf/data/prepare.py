@@ -156,16 +156,24 @@ def build_pairs(split: Tokenized, n: int, tokens: tuple[int, int], by_rating: bo
 def read_pairs_file(path: Path, rng: np.random.Generator) -> dict[str, pa.Table]:
     """A user's chosen/rejected file (Parquet or JSONL), validated and copied into PAIR_SCHEMA, split train/test.
 
-    A ``split`` column (train/test) places each row, else a seeded tenth goes to test. Missing ids become
-    ``chosen_<row>``/``rejected_<row>``, missing ratings 0; other columns are dropped.
+    A ``split`` column (train/test) places each row, else a seeded tenth goes to test. A ``prompt`` column (TRL's
+    preference format with an explicit prompt) is put before each side, as TRL's reward trainer joins them. Missing
+    ids become ``chosen_<row>``/``rejected_<row>``, missing ratings 0; other columns are dropped.
     """
     frame = read_pairs(path, "prepare.pairs_source", "no such file (prepare.pairs_source)")
     frame = frame.reset_index(drop=True)
-    for side in ("chosen", "rejected"):
-        bad = ~frame[side].map(lambda t: isinstance(t, str) and t.strip() != "")
+    for side in ("prompt", "chosen", "rejected") if "prompt" in frame else ("chosen", "rejected"):
+        if isinstance(frame[side].iloc[0], list):
+            raise DataError(f"{path}: {side} holds lists of messages (TRL's conversational format): apply the chat "
+                            "template first, so that each side is one text")
+        empty_ok = side == "prompt"
+        bad = ~frame[side].map(lambda t, empty_ok=empty_ok: isinstance(t, str) and (empty_ok or t.strip() != ""))
         if bad.any():
             row = int(bad.to_numpy().argmax())
             raise DataError(f"{path}: row {row}: {side} is {shown(frame[side], row)}, not a non-empty string")
+    if "prompt" in frame:  # a prompt alone is a shared prefix: the pair still differs in what follows it
+        frame["chosen"], frame["rejected"] = frame["prompt"] + frame["chosen"], frame["prompt"] + frame["rejected"]
+    for side in ("chosen", "rejected"):
         if f"{side}_id" not in frame:
             frame[f"{side}_id"] = [f"{side}_{i}" for i in range(len(frame))]
         frame[f"{side}_id"] = frame[f"{side}_id"].astype(str)

@@ -47,7 +47,7 @@ class Schedule(Section):
 
 class DataParams(Section):
     source: PathOrId
-    """Hub dataset id, a local folder of Parquet splits, a CSV file, or an extracted aclImdb/ folder."""
+    """Hub dataset id, a local folder of Parquet splits, a CSV/JSONL/Parquet file, or an extracted aclImdb/ folder."""
     revision: str | None
     """Hub dataset revision (branch, tag or commit) to pin; ignored for local sources."""
 
