@@ -8,12 +8,15 @@ own, unchanged.
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 from dvclive import Live
 
+from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.io import naming_disk_full
+from rlhf.pipeline.paths import output_path
 
 
 class Curves(Live):
@@ -40,4 +43,8 @@ class Curves(Live):
 def open_curves(folder: Path | str, resume: bool) -> Curves:
     """DVCLive's Live over ``folder``, no DVC experiment or dvc.yaml of its own (the stage's dvc.yaml declares the
     plots); ``resume`` continues the step count and files of an interrupted run."""
-    return Curves(str(folder), save_dvc_exp=False, dvcyaml=False, resume=resume)
+    try:
+        return Curves(str(folder), save_dvc_exp=False, dvcyaml=False, resume=resume)
+    except sqlite3.Error as e:  # DVCLive opens the DVC repo, whose state database lives in DVC's site cache folder
+        raise PipelineError(f"{output_path(Path(folder))}: DVCLive cannot open DVC's state database ({e}): is the "
+                            "disk full, or a file size limit (ulimit -f) set?") from None
