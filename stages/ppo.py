@@ -151,7 +151,7 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
         log.info("ppo: resuming after step %d from %s", found.step, found.path)
 
     start = ckpt.start if ckpt is not None else time.perf_counter()  # a resumed run's: the time before counts
-    with SystemUse(device) as system:
+    with outputs.steps() if is_main else contextlib.nullcontext(), SystemUse(device) as system:
         last = train(trainer, prompts, order, ckpt, found, accelerator, outputs)
 
     if is_main:

@@ -70,7 +70,7 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     held_out = pack(test["text"].iloc[rng.permutation(len(test))[: s.eval_reviews]], tokenizer, s.block_size, None)
 
     lm.to(device)
-    with SystemUse(device) as system:
+    with outputs.steps(), SystemUse(device) as system:
         result = train(lm, blocks, params, device, generator)
     ppl = perplexity(lm, held_out, EVAL_BATCH, device)
     save_pretrained(lm, tokenizer, outputs[SFT_DIR])
