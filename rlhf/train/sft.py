@@ -17,6 +17,7 @@ from rlhf.models.lora import add_lora
 from rlhf.models.precision import autocast, head_logits, mixed_precision
 from rlhf.pipeline.errors import DataError, ModelError
 from rlhf.pipeline.params import Params
+from rlhf.pipeline.paths import TOKENS_DIR
 from rlhf.pipeline.sections import SftParams
 from rlhf.rl.logprobs import cross_entropy
 from rlhf.train import checkpoint
@@ -118,8 +119,9 @@ def perplexity(lm: PreTrainedModel, blocks: torch.Tensor, batch_size: int, devic
 
 
 def run_fingerprint(params: Params) -> str:
-    """What determines an sft run: the params the stage reads (not its checkpoint interval) and the local inputs."""
-    inputs = [params.data.source, params.model.tokenizer or "", params.model.policy, params.sft.base]
+    """What determines an sft run: the params the stage reads (not its checkpoint interval) and the local inputs: the
+    token ids it trains on (not data.source, which the tokenize stage read), the tokenizer and the models."""
+    inputs = [str(TOKENS_DIR), params.model.tokenizer or "", params.model.policy, params.sft.base]
     return checkpoint.fingerprint("sft", params, [p for p in inputs if p], exclude=("sft.checkpoint_every",))
 
 
