@@ -12,7 +12,9 @@ import pytest
 from conftest import dvc, set_params
 
 OUTPUT_DIRS = ("models", "data/prompts", "data/pairs", "data/rollouts", "data/eval", "metrics")
-WALL_TIME = re.compile(r"seconds|_per_s$|^(time|throughput)(/|$)")  # DVCLive nests "time/step" under "time"
+# wall times and the machine's use while training (system_use.py) differ between runs; DVCLive nests "time/step"
+# under "time"
+WALL_TIME = re.compile(r"seconds|_per_s$|^(time|throughput)(/|$)|^system$")
 
 
 def without_wall_times(value: object) -> object:
@@ -27,7 +29,7 @@ def snapshot(project: Path) -> dict[str, object]:
     for folder in OUTPUT_DIRS:
         for path in sorted((project / folder).rglob("*")):
             name = path.relative_to(project).as_posix()
-            if not path.is_file() or re.search(r"plots/metrics/(time|throughput)/", name):
+            if not path.is_file() or re.search(r"plots/metrics/(time|throughput)/|/system\.csv$", name):
                 continue
             files[name] = without_wall_times(json.loads(path.read_text())) if path.suffix == ".json" \
                 else path.read_bytes()
