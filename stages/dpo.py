@@ -76,7 +76,7 @@ def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     history = dpo.History(dpo.total_steps(len(train_pairs), cfg),
                           lambda: dpo.evaluate(policy, test_pairs, cfg, EVAL_BATCH),
                           checkpoint_dir(STAGE) / f"history-{fingerprint}.jsonl" if fingerprint else None)
-    with SystemUse(policy.device) as system:
+    with outputs.steps(), SystemUse(policy.device) as system:
         result = dpo.train(policy, train_pairs, cfg, generator, fingerprint, history)
     held_out = {key: value for key, value in history.read()[-1].items() if key.startswith("eval/")}
 

@@ -95,7 +95,8 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens,
                   f"the reference model ({initial.what})")
 
-    metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts, params)
+    with outputs.steps():
+        metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts, params)
     for run, side in SIDES.items():
         if f"response_{side}" in samples and (samples[f"response_{side}"].str.strip() == "").all():
             log.warning("evaluate: every response of the %s run (%s) is empty (it answers EOS at once, or tokens "

@@ -83,8 +83,9 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
 
     sampler = Sampler(reference, tokenizer, SamplingParams.of(cfg), params.evaluate.batch_size)
     lengths = evaluation_lengths(len(prompts), cfg.response_min_tokens, cfg.response_max_tokens, params.seed)
-    pool = optimum.draw_pool(sampler, prompts.input_ids[:P], lengths[:P], n, params.seed)
-    pool = optimum.score_pool(pool, prompts.queries[:P], scorers, params.evaluate.batch_size)
+    with outputs.steps():
+        pool = optimum.draw_pool(sampler, prompts.input_ids[:P], lengths[:P], n, params.seed)
+        pool = optimum.score_pool(pool, prompts.queries[:P], scorers, params.evaluate.batch_size)
     curve, best_of_n = optimum.curve(pool, list(scorers)), optimum.best_of_n(pool, list(scorers))
 
     write_parquet(pa.Table.from_pandas(pool, preserve_index=False), outputs[OPTIMUM_POOL])

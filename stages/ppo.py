@@ -16,7 +16,7 @@ With ppo.checkpoint_every > 0 the run saves a checkpoint at every rollout-log fl
 chunks and curves, and, rerun after a kill, resumes from the newest one (see rlhf/train/checkpoint.py).
 
 ppo.advantage_estimator picks the advantages: gae (PPO with a value head) or a critic-free estimator (the records
-in rlhf/rl/advantages.py, listed below); each step draws ppo.batch_size / ppo.samples_per_prompt prompts and answers
+in rlhf/rl/estimators.py, listed below); each step draws ppo.batch_size / ppo.samples_per_prompt prompts and answers
 each samples_per_prompt times.
 
 Multi-process: ``accelerate launch --num_processes N -m stages.ppo`` on GPUs, ``torchrun --nproc_per_node N -m
@@ -31,9 +31,6 @@ import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import torch
-from tqdm import tqdm
 
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError, ModelError, TrainingError, interrupted_at
@@ -106,6 +103,8 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
         accelerator: Accelerator, outputs: StagedOutputs | None) -> None:
     """Train from ``initial`` (or the newest checkpoint) against ``reward`` (``params.reward_model``) and its
     functions, and write the outputs (``outputs``: None on every process but the main one)."""
+    import torch
+
     from rlhf.data.prompts import check_prompts
     from rlhf.models.loading import context_size, load_trainable_policy
     from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
@@ -152,7 +151,7 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
         log.info("ppo: resuming after step %d from %s", found.step, found.path)
 
     start = ckpt.start if ckpt is not None else time.perf_counter()  # a resumed run's: the time before counts
-    with SystemUse(device) as system:
+    with outputs.steps() if is_main else contextlib.nullcontext(), SystemUse(device) as system:
         last = train(trainer, prompts, order, ckpt, found, accelerator, outputs)
 
     if is_main:
@@ -174,6 +173,8 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
           outputs: StagedOutputs | None) -> dict[str, float]:
     """The steps after the resumed one (if any) to ppo.steps, logging rollouts and curves (main process, under
     ``outputs``' staging) and checkpointing at each rollout-log flush. Returns the last step's stats."""
+    from tqdm import tqdm
+
     from rlhf.train.curves import open_curves  # dvclive's import is slow: only where curves are written
     from rlhf.train.rollout_log import RolloutWriter, rollout_rows
 

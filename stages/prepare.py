@@ -60,18 +60,19 @@ def prepare(params: Params, outputs: StagedOutputs) -> None:
             raise DataError(f"prepare.{key}: {n} prompts asked, but only {len(reviews[split])} {split} reviews of "
                             f"{source} pass prepare.min_review_chars")
     max_tokens = max(p.prompt_max_tokens, p.pair_max_tokens if from_imdb else 0)
-    tokenized = {name: Tokenized(frame, tokenize(frame["text"].tolist(), tokenizer, max_tokens), tokenizer)
-                 for name, frame in reviews.items()}
-
-    prompts = {
-        out: build_prompts(tokenized[split], n, (p.prompt_min_tokens, p.prompt_max_tokens),
-                           generator(params.seed, f"prompts/{out}"))
-        for out, split, n in (("train", "train", p.train_prompts), ("eval", "test", p.eval_prompts))
-    }
-    if from_imdb:
-        pairs = {split: build_pairs(tokenized[split], n, (p.pair_min_tokens, p.pair_max_tokens), p.pairs_by_rating,
-                                    generator(params.seed, f"pairs/{split}"), f"{source} [{split}]")
-                 for split, n in (("train", p.train_pairs), ("test", p.test_pairs))}
+    with outputs.steps():
+        tokenized = {name: Tokenized(frame, tokenize(frame["text"].tolist(), tokenizer, max_tokens), tokenizer)
+                     for name, frame in reviews.items()}
+        prompts = {
+            out: build_prompts(tokenized[split], n, (p.prompt_min_tokens, p.prompt_max_tokens),
+                               generator(params.seed, f"prompts/{out}"))
+            for out, split, n in (("train", "train", p.train_prompts), ("eval", "test", p.eval_prompts))
+        }
+        if from_imdb:
+            pairs = {split: build_pairs(tokenized[split], n, (p.pair_min_tokens, p.pair_max_tokens),
+                                        p.pairs_by_rating, generator(params.seed, f"pairs/{split}"),
+                                        f"{source} [{split}]")
+                     for split, n in (("train", p.train_pairs), ("test", p.test_pairs))}
 
     for folder, tables in ((PROMPTS_DIR, prompts), (PAIRS_DIR, pairs)):
         with atomic_path(outputs[folder]) as tmp:

@@ -49,7 +49,8 @@ def write_reference(params: Params, outputs: StagedOutputs) -> None:
     lm.to(reference.device)
     for frame, pairs_file, path in zip(frames, dpo.PAIR_FILES[cfg.pairs][1:], dpo.REF_FILES, strict=True):
         pairs = dpo.encode_pairs(frame, tokenizer, cfg.max_length, str(pairs_file))
-        pairs = dpo.with_reference(pairs, reference, BATCH)
+        with outputs.steps():
+            pairs = dpo.with_reference(pairs, reference, BATCH)
         dpo.write_reference(pairs.ref_logprobs, outputs[path], key)
         log.info("ref_logprobs: %d pairs of %s", len(pairs), pairs_file)
 

@@ -57,7 +57,7 @@ def train_reward(params: Params, outputs: StagedOutputs) -> None:
     outputs.check_free_space(REWARD_DIR, weights_bytes(model))
     device = pick_device()
     model.to(device)
-    with SystemUse(device) as system:
+    with outputs.steps(), SystemUse(device) as system:
         result = train(model, tokenizer, train_pairs, params, device, generator)
     chosen, rejected = evaluate(model, tokenizer, test_pairs, params.reward.max_length, device)
     save_pretrained(model, tokenizer, outputs[REWARD_DIR])

@@ -84,8 +84,9 @@ def write_pairs(params: Params, outputs: StagedOutputs) -> None:
     lm.to(device).eval()
     sampler = Sampler(lm, tokenizer, SamplingParams.of(cfg), BATCH)
     for offset, (idx, path) in enumerate(zip(indices, (SAMPLED_TRAIN_PAIRS, SAMPLED_TEST_PAIRS), strict=True)):
-        table = sample_pairs(sampler, prompts.take(idx), params.dpo.samples_per_prompt,
-                             (cfg.response_min_tokens, cfg.response_max_tokens), scorer, params.seed + offset)
+        with outputs.steps():
+            table = sample_pairs(sampler, prompts.take(idx), params.dpo.samples_per_prompt,
+                                 (cfg.response_min_tokens, cfg.response_max_tokens), scorer, params.seed + offset)
         if table.num_rows == 0:
             raise DataError(f"{path}: every completion of its {len(idx)} prompts scored the same: no pairs (raise "
                             "dpo.samples_per_prompt or dpo.sample_prompts)")

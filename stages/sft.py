@@ -1,6 +1,6 @@
 """sft: a causal LM trained (from scratch or from sft.base) on IMDb text, the offline recipe's policy.
 
-Reads   data.source (sft.splits for training, the test split for perplexity), the tokenizer
+Reads   data/tokens/ (the tokenize stage's ids of the sft.splits reviews and of the held-out ones), the tokenizer
 Writes  models/sft/           HF model (safetensors) + tokenizer + generation config; only a DISABLED marker when
                               sft.enabled is false
         metrics/sft.json      held-out perplexity, final loss, tokens, tokens/s
@@ -40,10 +40,7 @@ def main() -> None:
 
 def train_sft(params: Params, outputs: StagedOutputs) -> None:
     # imported here: switched off, the stage loads none of it (stages/__init__.py)
-    import numpy as np
-    import pandas as pd
-
-    from rlhf.data.imdb import filter_reviews, load_imdb
+    from rlhf.data.tokens import corpus_key, read_tokens
     from rlhf.models.loading import check_vocab_match, load_tokenizer, save_pretrained
     from rlhf.models.precision import pick_device
     from rlhf.train.checkpoint import weights_bytes
@@ -53,24 +50,19 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.train.system_use import SystemUse
 
     s = params.sft
+    train_ids, test_ids = read_tokens(corpus_key(params))  # before anything loads: tokens of other params stop here
+    blocks = pack(train_ids, s.block_size, "the training text")
+    held_out = pack(test_ids, s.block_size, "the held-out text")
     generator = seed_everything(params.seed)
-    tokenizer_path = params.model.tokenizer or (s.base if s.base != "scratch" else params.model.policy)
-    tokenizer = load_tokenizer(tokenizer_path, params.model, what="model.tokenizer")
+    tokenizer = load_tokenizer(params.tokenizer_path, params.model, what="model.tokenizer")
     lm = build_model(params, tokenizer)
     check_vocab_match(tokenizer, lm, "model.tokenizer")
     device = pick_device()
-    compiles(s.compile, device, "sft.compile")  # one that cannot run fails here, before the text is tokenized
+    compiles(s.compile, device, "sft.compile")  # one that cannot run fails here, before training
     outputs.check_free_space(SFT_DIR, weights_bytes(lm))
 
-    splits = load_imdb(params.data.source, params.data.revision, [*s.splits, "test"])
-    train_text = np.concatenate([splits[name]["text"].to_numpy() for name in s.splits])
-    rng = np.random.default_rng(params.seed)
-    blocks = pack(pd.Series(train_text), tokenizer, s.block_size, s.max_tokens, rng)
-    test = filter_reviews(splits["test"], 0, f"{params.data.source} [test]")
-    held_out = pack(test["text"].iloc[rng.permutation(len(test))[: s.eval_reviews]], tokenizer, s.block_size, None)
-
     lm.to(device)
-    with SystemUse(device) as system:
+    with outputs.steps(), SystemUse(device) as system:
         result = train(lm, blocks, params, device, generator)
     ppl = perplexity(lm, held_out, EVAL_BATCH, device)
     save_pretrained(lm, tokenizer, outputs[SFT_DIR])

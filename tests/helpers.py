@@ -54,9 +54,12 @@ TRAINING = {
 
 
 def training_project(project: Path, stage: str, imdb_dir: Path, tokenizer_dir: Path) -> None:
-    """``project`` set up for the tiny ``TRAINING[stage]`` run (sft or reward): the local IMDb, the tokenizer, and
-    320 train / 16 test pairs (2 epochs x 40 reward steps)."""
+    """``project`` set up for the tiny ``TRAINING[stage]`` run (sft or reward): the local IMDb, the tokenizer, sft's
+    token ids (the tokenize stage's) and 320 train / 16 test pairs (2 epochs x 40 reward steps)."""
     set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir), **TRAINING[stage]})
+    if stage == "sft":
+        result = run_cli(project, "tokenize")
+        assert result.returncode == 0, result.stderr
     (project / "data/pairs").mkdir(parents=True, exist_ok=True)
     signal_pairs(320, 0).to_parquet(project / "data/pairs/train.parquet")
     signal_pairs(16, 1).to_parquet(project / "data/pairs/test.parquet")

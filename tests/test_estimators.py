@@ -11,7 +11,7 @@ import torch
 
 from rlhf.rl import advantages as adv
 from rlhf.rl import ppo
-from rlhf.rl.advantages import ESTIMATORS
+from rlhf.rl.estimators import ESTIMATORS
 
 N_PROMPTS, T = 3, 6
 GARBAGE = 1e6  # what padded positions hold: it must never reach a real token
@@ -436,6 +436,10 @@ def test_a_skipped_minibatch_skips_the_kl_term_too() -> None:
     loss.backward()
     assert stats["policy/skipped"].item() == 1.0 and loss.item() == 0.0 and (logprobs.grad == 0).all()
     assert stats["loss/kl"].item() > 0  # still reported
+
+
+def test_every_estimator_has_one_record_and_one_function() -> None:
+    assert list(adv.ADVANTAGES) == list(ESTIMATORS)
 
 
 @pytest.mark.parametrize("name", list(ESTIMATORS))

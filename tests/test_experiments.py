@@ -59,11 +59,13 @@ def test_repro_then_experiments_rerun_only_what_changed(project: Path, imdb_dir:
     # the reference samples the same prompts with the same seed and lengths in every experiment
     assert not [key for key in diff if ".reference_" in key]
 
-    # on top of that workspace, an evaluate param reruns evaluate alone, and only its keys move
+    # on top of that workspace, an evaluate param reruns evaluate alone, and only its keys move (and its times)
     assert ran_stages(dvc(project, "exp", "run", "-n", "greedy", "-S", "evaluate.greedy=true")) == {"evaluate"}
     greedy = json.loads(dvc(project, "metrics", "diff", "kl-low", "greedy", "--json").stdout)["metrics/eval.json"]
     assert "reward.policy_greedy_mean" in greedy and greedy["reward.policy_greedy_mean"]["old"] is None
-    assert all("greedy" in key for key in greedy), greedy
+    assert all("greedy" in key or key.startswith("evaluate.time/") for key in greedy), greedy
+    times = json.loads((project / "metrics" / "eval.json").read_text())["evaluate"]
+    assert set(times) == {"time/setup", "time/steps", "time/teardown"} and min(times.values()) >= 0
 
     show = {row["Experiment"]: row for row in csv.DictReader(io.StringIO(dvc(project, "exp", "show", "--csv").stdout))}
     assert float(show["kl-low"]["kl.full_mean"]) == pytest.approx(diff["kl.full_mean"]["new"])

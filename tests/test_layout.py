@@ -56,7 +56,7 @@ def project_imports(path: Path) -> set[str]:
 
 # the params' ppo section validates ppo.advantage_estimator with the estimators' records; a stage that never runs an
 # estimator does not depend on its math for its outputs, so this edge does not make the RL math every stage's code
-VALIDATION_ONLY = ("rlhf/pipeline/ppo_params.py", "rlhf/rl/advantages.py")
+VALIDATION_ONLY = ("rlhf/pipeline/ppo_params.py", "rlhf/rl/estimators.py")
 
 
 def code_of(script: str) -> set[str]:

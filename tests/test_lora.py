@@ -22,6 +22,7 @@ from rlhf.pipeline.params import defaults
 from rlhf.pipeline.sections import LoraParams
 from rlhf.train import sft
 from stages import sft as sft_stage
+from stages import tokenize as tokenize_stage
 
 
 def lora(**updates: object) -> LoraParams:
@@ -105,6 +106,7 @@ def test_sft_with_lora_trains_the_adapters_of_its_base_and_a_killed_run_resumes_
         shutil.copy(ROOT / name, name)
     set_params(tmp_path, **{**TRAINING["sft"], "data.source": str(imdb_dir), "sft.base": str(adaptable_gpt2_dir),
                             "model.lora.r": 4, "sft.learning_rate": 1e-2, "sft.max_tokens": 8 * 32 * 12})
+    tokenize_stage.main()
     sft_stage.main()  # 12 steps, a checkpoint every 5
     losses = pd.read_csv("metrics/sft/loss.csv")["loss"]
     assert losses.iloc[-3:].mean() < losses.iloc[0] - 0.5

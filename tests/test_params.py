@@ -14,7 +14,7 @@ from conftest import ROOT
 from rlhf.pipeline.errors import ParamsError
 from rlhf.pipeline.params import declaration, defaults, dotted_keys, expand, load_params, parse_params, read_yaml
 from rlhf.pipeline.wiring import stages, wiring
-from rlhf.rl.advantages import ESTIMATORS
+from rlhf.rl.estimators import ESTIMATORS
 
 DVC_YAML = ROOT / "dvc.yaml"
 

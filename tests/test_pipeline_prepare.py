@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -32,7 +33,9 @@ def configure(project: Path, source: Path | str, tokenizer_dir: Path, policy: Pa
 def test_stage_outputs(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> None:
     # a policy id that cannot load offline: prepare needs only the tokenizer
     configure(project, imdb_dir, tokenizer_dir, "nobody/no-such-model")
+    started = time.perf_counter()
     result = run_cli(project, "prepare")
+    wall = time.perf_counter() - started
     assert result.returncode == 0, result.stderr
 
     train = pq.read_table(project / "data/prompts/train.parquet")
@@ -53,6 +56,9 @@ def test_stage_outputs(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> No
     assert set(metrics["prompt_tokens"]) == {str(n) for n in range(2, 9)}
     assert sum(metrics["prompt_tokens"].values()) == long_reviews and 2 < metrics["prompt_tokens_mean"] < 8
     assert metrics["seconds"] >= 0
+    # the process's time from its start to its outputs going in: all of it but the interpreter's start and exit
+    seconds = [metrics[f"time/{part}"] for part in ("setup", "steps", "teardown")]
+    assert min(seconds) >= 0 and 0.5 * wall < sum(seconds) <= wall, (seconds, wall)
     log = result.stderr.splitlines()
     assert f"data.source: {imdb_dir} is outside data/raw/, so editing it will not rerun prepare " \
            "(copy it under data/raw/)" in log

@@ -15,6 +15,7 @@ from helpers import count_host_reads, run_cli, signal_pairs
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.data.pairs import read_pairs
+from rlhf.data.tokens import token_stream
 from rlhf.models.loading import load_tokenizer
 from rlhf.pipeline.errors import DataError, ModelError, ParamsError
 from rlhf.pipeline.params import Params, defaults, parse_params
@@ -43,7 +44,7 @@ def tokenizer(tokenizer_dir: Path):
 
 def test_pack_puts_eos_between_reviews(tokenizer) -> None:
     texts = pd.Series(["a great movie", "the plot was dull", "loved it"])
-    blocks = sft.pack(texts, tokenizer, block_size=4, max_tokens=None)
+    blocks = sft.pack(token_stream(texts, tokenizer, None), 4, "the text")
     stream = [i for text in texts for i in [*tokenizer(text, add_special_tokens=False).input_ids,
                                              tokenizer.eos_token_id]]
     assert blocks.flatten().tolist() == stream[: len(blocks) * 4]
@@ -179,7 +180,7 @@ def test_sft_loss_goes_down_and_reloads(tokenizer_dir: Path, imdb_dir: Path, tok
     torch.manual_seed(0)
     lm = sft.build_model(params, tokenizer)
     texts = pd.read_parquet(imdb_dir / "train.parquet")["text"]
-    blocks = sft.pack(texts, tokenizer, 32, None)
+    blocks = sft.pack(token_stream(texts, tokenizer, None), 32, "the text")
     before = sft.perplexity(lm, blocks[:16], 8, CPU)
     result = sft.train(lm, blocks, params, CPU, torch.Generator().manual_seed(0))
     first, last = result.losses[0], sum(result.losses[-5:]) / 5

@@ -43,12 +43,13 @@ def test_help_from_the_command_line_anywhere_loads_nothing(flag: str, tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["transformers"]
 
 
-def test_a_switched_off_stage_writes_its_marker_without_loading_transformers(project: Path) -> None:
+def test_a_switched_off_stage_writes_its_marker_without_loading_torch(project: Path) -> None:
     """Every stage whose help says it can write only a DISABLED marker, switched off (the default params and method
-    best_of_n switch off all of them), writes it with transformers made unimportable (its model code loaded first
-    took seconds a stage)."""
-    (project / "transformers").mkdir()
-    (project / "transformers" / "__init__.py").write_text("raise ImportError('a switched-off stage loads no model')\n")
+    best_of_n switch off all of them), writes it with torch and transformers made unimportable: it decides from its
+    params before loading them (their imports took seconds a stage)."""
+    for module in ("torch", "transformers"):
+        (project / module).mkdir()
+        (project / module / "__init__.py").write_text(f"raise ImportError('a switched-off stage loads no {module}')\n")
     set_params(project, method="best_of_n")
     switchable = [stage for stage in stages(ROOT / "dvc.yaml") if "DISABLED marker" in stage_help(stage, ROOT)]
     assert len(switchable) >= 7, switchable

@@ -15,7 +15,7 @@ from helpers import TokenShareScorer, batch, make_rollout, make_trainer
 from rlhf.models.rollout import forward, response_lengths
 from rlhf.pipeline.errors import TrainingError
 from rlhf.rl import ppo
-from rlhf.rl.advantages import ESTIMATORS
+from rlhf.rl.estimators import ESTIMATORS
 from rlhf.train.ppo_trainer import PPOTrainer
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -19,6 +21,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf.pipeline.cli import STARTED
 from rlhf.pipeline.errors import PipelineError, is_disk_full
 from rlhf.pipeline.params import changed_since_read
 from rlhf.pipeline.paths import CHECKPOINTS_DIR, output_path, staging_path
@@ -119,18 +122,56 @@ class StagedOutputs:
 
     Entering checks that every output's folder is writable and every previous output can be moved, and takes
     ``stage``'s lock (one run of it at a time in a workspace). ``outputs[path]`` is where to write ``path`` (an
-    output or a file inside one). Leaving the block normally moves the staged outputs in (``commit``); leaving it by
-    an exception (Ctrl-C included) deletes them. A kill while they move in (milliseconds) leaves some outputs missing,
-    never two runs' outputs side by side; a training stage's rerun then finishes at once from the checkpoint it kept.
+    output or a file inside one). ``with outputs.steps():`` marks the stage's steps (its training loop, or the work
+    its outputs are made of), which ``commit`` times. Leaving the block normally moves the staged outputs in
+    (``commit``); leaving it by an exception (Ctrl-C included) deletes them. A kill while they move in (milliseconds)
+    leaves some outputs missing, never two runs' outputs side by side; a training stage's rerun then finishes at once
+    from the checkpoint it kept.
     """
 
-    def __init__(self, outputs: Iterable[Path], stage: str | None = None) -> None:
+    def __init__(self, outputs: Iterable[Path], stage: str | None = None, metrics: Iterable[Path] = ()) -> None:
         self.outputs, self.stage, self.lock = [Path(p) for p in outputs], stage, None
+        self.metrics = [Path(p) for p in metrics]
+        self.steps_began: float | None = None  # perf_counter() when the first steps() began and the last ended
+        self.steps_ended: float | None = None
 
     @classmethod
     def of(cls, stage: str) -> StagedOutputs:
         """The outputs dvc.yaml lists for ``stage``, under its lock."""
-        return cls(wiring(stage).outputs, stage)
+        stage_wiring = wiring(stage)
+        return cls(stage_wiring.outputs, stage, stage_wiring.metrics)
+
+    @contextlib.contextmanager
+    def steps(self) -> Iterator[None]:
+        """Mark the stage's steps: what runs before the first is its setup, what runs after the last its teardown."""
+        self.steps_began = self.steps_began or time.perf_counter()
+        yield
+        self.steps_ended = time.perf_counter()
+
+    def seconds(self) -> dict[str, float]:
+        """``time/setup`` (from the process's start to the first step: imports, loading, reading), ``time/steps``
+        and ``time/teardown`` (from the last step to now: held-out evaluation, saving); empty if no steps ran."""
+        if self.steps_began is None or self.steps_ended is None:
+            return {}
+        now = time.perf_counter()
+        return {"time/setup": round(self.steps_began - STARTED, 2),
+                "time/steps": round(self.steps_ended - self.steps_began, 2),
+                "time/teardown": round(now - self.steps_ended, 2)}
+
+    def write_seconds(self) -> None:
+        """Add ``seconds()`` under ``<stage>`` to each of the stage's staged JSON metrics files and log them: the
+        same keys in every stage's metrics, written in one place."""
+        seconds = self.seconds()
+        if not seconds or self.stage is None:
+            return
+        for path in self.metrics:
+            staged = staging_path(path)
+            if path.suffix == ".json" and staged.is_file():
+                metrics = json.loads(staged.read_text(encoding="utf-8"))
+                metrics.setdefault(self.stage, {}).update(seconds)
+                write_json(metrics, staged)
+        logging.getLogger(self.stage).info("%s: setup %.1f s, steps %.1f s, teardown %.1f s", self.stage,
+                                           *seconds.values())
 
     def __getitem__(self, path: Path) -> Path:
         for output in self.outputs:
@@ -195,6 +236,7 @@ class StagedOutputs:
         unwritten = [output for output in self.outputs if not os.path.lexists(staging_path(output))]
         if unwritten:  # a stage's bug: replacing a previous output by nothing would pass for a result
             raise RuntimeError(f"{self.stage}: finished without writing {unwritten[0]}; no output was replaced")
+        self.write_seconds()
         moves = [(output, staging_path(output), aside(output)) for output in self.outputs]
         try:
             for output, _, previous in moves:

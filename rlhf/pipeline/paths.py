@@ -9,6 +9,7 @@ from pathlib import Path
 SPLITS = ("train", "test", "unsupervised")  # the IMDb splits a data source holds (a folder: <split>.parquet)
 RAW = Path("data/raw")  # local inputs DVC watches (prepare and sft list it as a dependency)
 RAW_IMDB, RAW_TOKENIZER = RAW / "imdb", RAW / "gpt2-tokenizer"  # where the presets put their local inputs
+TOKENS_DIR = Path("data/tokens")  # the SFT corpus's ids (rlhf/data/tokens.py), made by tokenize, read by sft
 PROMPTS_DIR = Path("data/prompts")
 TRAIN_PROMPTS, EVAL_PROMPTS = PROMPTS_DIR / "train.parquet", PROMPTS_DIR / "eval.parquet"
 PAIRS_DIR = Path("data/pairs")

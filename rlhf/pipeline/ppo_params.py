@@ -1,4 +1,4 @@
-"""The ``ppo:`` params section: PPO's schedule, KL control, advantage estimator (whose records, rlhf/rl/advantages.py's
+"""The ``ppo:`` params section: PPO's schedule, KL control, advantage estimator (whose records, rlhf/rl/estimators.py's
 ``ESTIMATORS``, say what each needs), losses, score shaping and sampling."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf.pipeline.section import Rule, Section, at_most
-from rlhf.rl.advantages import ESTIMATORS
+from rlhf.rl.estimators import ESTIMATORS
 
 
 class PpoParams(Section):

@@ -17,13 +17,14 @@ DVC_YAML = Path("dvc.yaml")
 
 @dataclass(frozen=True)
 class Wiring:
-    """One stage of dvc.yaml: ``deps`` (code and data), ``params`` (a section name stands for all its keys) and
-    ``outputs`` (its outs, metrics and plots)."""
+    """One stage of dvc.yaml: ``deps`` (code and data), ``params`` (a section name stands for all its keys),
+    ``outputs`` (its outs, metrics and plots) and ``metrics`` (its metrics files, outputs too)."""
 
     name: str
     deps: tuple[str, ...]
     params: tuple[str, ...]
     outputs: tuple[Path, ...]
+    metrics: tuple[Path, ...]
 
 
 @functools.cache
@@ -48,4 +49,5 @@ def wiring(name: str, dvc_yaml: Path = DVC_YAML) -> Wiring:
         return [item if isinstance(item, str) else next(iter(item)) for item in every[name].get(kind) or []]
 
     return Wiring(name, tuple(entries("deps")), tuple(entries("params")),
-                  tuple(Path(p) for kind in ("outs", "metrics", "plots") for p in entries(kind)))
+                  tuple(Path(p) for kind in ("outs", "metrics", "plots") for p in entries(kind)),
+                  tuple(Path(p) for p in entries("metrics")))

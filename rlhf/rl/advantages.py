@@ -1,8 +1,8 @@
 """Advantage estimators as pure tensor functions, one ``<name>_advantages`` per ``ppo.advantage_estimator``: GAE over
-a critic's values, and the critic-free RLOO, GRPO, Dr. GRPO, conditional DPG and REINFORCE++; and ``ESTIMATORS``, one
-record each holding its function, read by the params validation, ``--help`` and the trainer
-(``ESTIMATORS[name].advantages``).
-Adding an estimator: its function and its record here, its test.
+a critic's values, and the critic-free RLOO, GRPO, Dr. GRPO, conditional DPG and REINFORCE++; and ``ADVANTAGES``, each
+estimator's call from the trainer's tensors (``ESTIMATORS[name].advantages``; the records, which the params read
+without loading torch: rlhf/rl/estimators.py).
+Adding an estimator: its function and its ``ADVANTAGES`` entry here, its record in estimators.py, its test.
 
 Tensors are (B, T) over response positions with a positive ``mask`` (1 = real token); no I/O, only torch.
 """
@@ -10,7 +10,6 @@ Tensors are (B, T) over response positions with a positive ``mask`` (1 = real to
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -169,7 +168,7 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the records
+# the calls
 
 
 class AdvantageSettings(Protocol):
@@ -187,67 +186,16 @@ Advantages = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Advantag
 those rewards were made with) -> (advantages, returns or None); the estimators that score a whole response take its
 summed reward, ``rewards.sum(1)``."""
 
-CRITIC_KEYS = ("value_model", "vf_coef", "cliprange_value")  # the ppo.* keys only a value head reads
-GROUP_IGNORES = ("gamma", "lam", "whiten_rewards")
-
-
-@dataclass(frozen=True)
-class Estimator:
-    """``advantages``: the estimator's function; ``doc``: what the advantage is, and whose; ``trains_critic``: learns a
-    value head (GAE); ``min_samples_per_prompt``: the k its baseline needs (the prompt's other samples); ``kl_loss``:
-    accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``needs_kl_coef``: reads R / kl_coef as a log importance
-    weight (ppo.init_kl_coef > 0, ppo.kl_penalty kl); ``ignores``: the ppo.* keys it leaves unused besides the
-    critic's."""
-
-    advantages: Advantages
-    doc: str
-    trains_critic: bool = False
-    min_samples_per_prompt: int = 1
-    kl_loss: bool = False
-    needs_kl_coef: bool = False
-    ignores: tuple[str, ...] = ()
-
-    @property
-    def unused_keys(self) -> tuple[str, ...]:
-        return (() if self.trains_critic else CRITIC_KEYS) + self.ignores
-
-    @property
-    def summary(self) -> str:
-        """One line for the params docs: the doc and the rules."""
-        rules = [f"k >= {self.min_samples_per_prompt}"] if self.min_samples_per_prompt > 1 else []
-        rules += ["kl_loss_coef allowed"] if self.kl_loss else []
-        rules += ["init_kl_coef > 0, kl_penalty kl"] if self.needs_kl_coef else []
-        return f"{self.doc}; {'value head' if self.trains_critic else 'no critic'}" + "".join(f", {r}" for r in rules)
-
-
-ESTIMATORS = {
-    "gae": Estimator(
-        lambda rewards, masks, values, cfg, kl_coef: gae_advantages(values, rewards, masks, cfg.gamma, cfg.lam,
-                                                                    cfg.whiten_rewards),
-        "PPO's value head and GAE (Schulman et al. 2016)", trains_critic=True),
-    "rloo": Estimator(
-        lambda rewards, masks, values, cfg, kl_coef: (
-            rloo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
-        "R_i minus the mean R of the prompt's other k - 1 samples (Ahmadian et al. 2024)",
-        min_samples_per_prompt=2, ignores=GROUP_IGNORES),
-    "grpo": Estimator(
-        lambda rewards, masks, values, cfg, kl_coef: (
-            grpo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
-        "(R_i - mean of the prompt's k samples) / (their std + 1e-4) (Shao et al. 2024)",
-        min_samples_per_prompt=2, kl_loss=True, ignores=GROUP_IGNORES),
-    "dr_grpo": Estimator(
-        lambda rewards, masks, values, cfg, kl_coef: (
-            dr_grpo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
-        "R_i - mean of the prompt's k samples: GRPO without the std (Dr. GRPO, Liu et al. 2025)",
-        min_samples_per_prompt=2, kl_loss=True, ignores=GROUP_IGNORES),
-    "dpg": Estimator(
-        lambda rewards, masks, values, cfg, kl_coef: (
-            dpg_advantages(rewards.sum(1), masks, cfg.samples_per_prompt, kl_coef), None),
-        "k softmax(R / kl_coef) over the prompt's k samples - 1: the forward-KL gradient toward pi_ref exp(r / "
-        "kl_coef) (conditional DPG, Korbak et al. 2022)", min_samples_per_prompt=2, needs_kl_coef=True,
-        ignores=GROUP_IGNORES),
-    "reinforce_pp": Estimator(
-        lambda rewards, masks, values, cfg, kl_coef: reinforce_pp_advantages(rewards, masks, cfg.gamma),
-        "the discounted return-to-go of the per-token rewards, whitened over the batch (REINFORCE++, Hu 2025)",
-        ignores=("lam", "whiten_rewards")),
+ADVANTAGES: dict[str, Advantages] = {
+    "gae": lambda rewards, masks, values, cfg, kl_coef: gae_advantages(values, rewards, masks, cfg.gamma, cfg.lam,
+                                                                       cfg.whiten_rewards),
+    "rloo": lambda rewards, masks, values, cfg, kl_coef: (
+        rloo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
+    "grpo": lambda rewards, masks, values, cfg, kl_coef: (
+        grpo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
+    "dr_grpo": lambda rewards, masks, values, cfg, kl_coef: (
+        dr_grpo_advantages(rewards.sum(1), masks, cfg.samples_per_prompt), None),
+    "dpg": lambda rewards, masks, values, cfg, kl_coef: (
+        dpg_advantages(rewards.sum(1), masks, cfg.samples_per_prompt, kl_coef), None),
+    "reinforce_pp": lambda rewards, masks, values, cfg, kl_coef: reinforce_pp_advantages(rewards, masks, cfg.gamma),
 }

@@ -25,7 +25,7 @@ from rlhf.models.scorers import Scorer
 from rlhf.pipeline.errors import TrainingError
 from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl import ppo
-from rlhf.rl.advantages import ESTIMATORS
+from rlhf.rl.estimators import ESTIMATORS
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerBase
@@ -18,6 +17,7 @@ from rlhf.models.lora import add_lora
 from rlhf.models.precision import autocast, head_logits, mixed_precision
 from rlhf.pipeline.errors import DataError, ModelError
 from rlhf.pipeline.params import Params
+from rlhf.pipeline.paths import TOKENS_DIR
 from rlhf.pipeline.sections import SftParams
 from rlhf.rl.logprobs import cross_entropy
 from rlhf.train import checkpoint
@@ -54,26 +54,13 @@ def scratch_model(s: SftParams, vocab_size: int, eos_token_id: int, head: type[P
     return fast_activations(head(gpt2))
 
 
-def pack(texts: pd.Series, tokenizer: PreTrainedTokenizerBase, block_size: int, max_tokens: int | None,
-         rng: np.random.Generator | None = None) -> torch.Tensor:
-    """(N, block_size) blocks of the reviews' token stream, EOS between reviews; shuffled reviews when ``rng``.
-
-    Tokenizes in chunks and stops once ``max_tokens`` are collected, so a small budget does not pay for
-    tokenizing 75k reviews.
-    """
-    order = rng.permutation(len(texts)) if rng is not None else np.arange(len(texts))
-    stream: list[int] = []
-    for start in range(0, len(order), 2000):
-        chunk = texts.iloc[order[start: start + 2000]].tolist()
-        for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
-            stream.extend(ids)
-            stream.append(tokenizer.eos_token_id)
-        if max_tokens is not None and len(stream) >= max_tokens:
-            break
+def pack(stream: np.ndarray, block_size: int, what: str) -> torch.Tensor:
+    """(N, block_size) blocks of a token stream (rlhf/data/tokens.py's), the tokens past the last whole block left
+    out; ``what`` names the stream when it holds less than one block."""
     n_blocks = len(stream) // block_size
     if n_blocks == 0:
-        raise DataError(f"the training text holds {len(stream)} tokens, fewer than one sft.block_size={block_size}")
-    return torch.tensor(stream[: n_blocks * block_size]).view(n_blocks, block_size)
+        raise DataError(f"{what} holds {len(stream)} tokens, fewer than one sft.block_size={block_size}")
+    return torch.from_numpy(stream[: n_blocks * block_size].astype(np.int64)).view(n_blocks, block_size)
 
 
 def next_token_loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
@@ -132,8 +119,9 @@ def perplexity(lm: PreTrainedModel, blocks: torch.Tensor, batch_size: int, devic
 
 
 def run_fingerprint(params: Params) -> str:
-    """What determines an sft run: the params the stage reads (not its checkpoint interval) and the local inputs."""
-    inputs = [params.data.source, params.model.tokenizer or "", params.model.policy, params.sft.base]
+    """What determines an sft run: the params the stage reads (not its checkpoint interval) and the local inputs: the
+    token ids it trains on (not data.source, which the tokenize stage read), the tokenizer and the models."""
+    inputs = [str(TOKENS_DIR), params.model.tokenizer or "", params.model.policy, params.sft.base]
     return checkpoint.fingerprint("sft", params, [p for p in inputs if p], exclude=("sft.checkpoint_every",))
 
 

@@ -18,11 +18,14 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
 
 from rlhf.pipeline.io import write_text
+
+if TYPE_CHECKING:
+    import torch
 
 INTERVAL = 2.0  # seconds between samples: NVML's own utilisation window is 1/6 to 1 second
 COLUMNS = ("seconds", "cpu", "ram_gb", "gpu_busy", "gpu_memory_gb")
@@ -39,6 +42,8 @@ class SystemUse:
     ``interval`` has a row too."""
 
     def __init__(self, device: torch.device | str, interval: float = INTERVAL) -> None:
+        import torch  # here, not above: a switched-off stage writes HEADER without loading torch
+
         self.device, self.interval = torch.device(device), interval
         self.cuda = self.device.type == "cuda"
         self.rows: list[dict[str, float | None]] = []
@@ -75,8 +80,12 @@ class SystemUse:
             "ram_gb": round(self.process.memory_info().rss / GIB, 3), "gpu_busy": None, "gpu_memory_gb": None}
         self.last, self.last_cpu = now, cpu
         if self.cuda:
+            import torch
+
             row["gpu_memory_gb"] = round(torch.cuda.memory_reserved(self.device) / GIB, 3)
         if self.nvml:
+            import torch
+
             try:
                 row["gpu_busy"] = float(torch.cuda.utilization(self.device))
             except Exception:  # no nvidia-ml-py, no NVML (another vendor's GPU, a container without it)
@@ -92,6 +101,8 @@ class SystemUse:
         if busy:
             out["gpu_busy"] = round(sum(busy) / len(busy) / 100, 3)
         if self.cuda:
+            import torch
+
             out["gpu_memory_gb"] = round(torch.cuda.max_memory_reserved(self.device) / GIB, 3)
         return out
 
