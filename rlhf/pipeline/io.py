@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from rlhf.pipeline.cli import STARTED
 from rlhf.pipeline.errors import PipelineError, is_disk_full
 from rlhf.pipeline.params import changed_since_read
-from rlhf.pipeline.paths import CHECKPOINTS_DIR, output_path, staging_path
+from rlhf.pipeline.paths import CHECKPOINTS_DIR, checkpoint_dir, checkpoints, output_path, staging_path
 from rlhf.pipeline.wiring import wiring
 
 UMASK = os.umask(0o022)
@@ -231,8 +231,9 @@ class StagedOutputs:
         if self.stage is not None and (change := changed_since_read(self.stage)):
             raise PipelineError(f"params.yaml changed while {self.stage} ran ({change}): its outputs were not "
                                 "replaced, as DVC would record them with the new values (another dvc exp run in "
-                                "this workspace? run one at a time, or queue them: dvc exp run --queue); its "
-                                "checkpoint is kept: restore the params and rerun to resume")
+                                "this workspace? run one at a time, or queue them: dvc exp run --queue)"
+                                + ("; its checkpoint is kept: restore the params and rerun to resume"
+                                   if checkpoints(checkpoint_dir(self.stage)) else ""))
         unwritten = [output for output in self.outputs if not os.path.lexists(staging_path(output))]
         if unwritten:  # a stage's bug: replacing a previous output by nothing would pass for a result
             raise RuntimeError(f"{self.stage}: finished without writing {unwritten[0]}; no output was replaced")
