@@ -217,9 +217,7 @@ class PPOTrainer:
                         loss, mb_stats = self.minibatch_loss(rollout, order[mb_start: mb_start + micro])
                         self.backward(loss / accumulate)
                         group.append(stats.add(mb_stats))
-                    norm, dropped = self.optimizer_step(stats, torch.stack(group))
-                    stats.norms.append(norm)
-                    stats.dropped.append(dropped)
+                    stats.add_step(*self.optimizer_step(stats, torch.stack(group)))
         self.wrapped_policy.eval()
         return stats.read(step, cfg.nan_policy)
 

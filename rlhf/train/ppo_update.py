@@ -89,19 +89,21 @@ def nan_error(step: int, quantity: str, what: str, bad: int, total: int, always_
 @dataclass
 class UpdateLog:
     """The update's stats where the device keeps them: one row per mini-batch (its ``minibatch_loss`` stats, in the
-    order of ``keys``), each optimizer step's gradient norm and whether it was dropped."""
+    order of ``keys``), one per optimizer step (its gradient norm, 1 where it was dropped). Each row is a fresh
+    tensor: a CUDA graph's outputs are overwritten by its next replay."""
 
     keys: list[str] = field(default_factory=list)
     rows: list[torch.Tensor] = field(default_factory=list)
-    norms: list[torch.Tensor] = field(default_factory=list)
-    dropped: list[torch.Tensor] = field(default_factory=list)
+    steps: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, stats: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Log a mini-batch's stats as one row, a fresh tensor (a CUDA graph's outputs are overwritten by its next
-        replay); the row."""
+        """Log a mini-batch's stats; its row."""
         self.keys = list(stats)
         self.rows.append(torch.stack([x.float() for x in stats.values()]))
         return self.rows[-1]
+
+    def add_step(self, norm: torch.Tensor, dropped: torch.Tensor) -> None:
+        self.steps.append(torch.stack([norm.float(), dropped.float()]))
 
     def column(self, rows: torch.Tensor, key: str) -> torch.Tensor:
         return rows[..., self.keys.index(key)]
@@ -113,9 +115,9 @@ class UpdateLog:
         NaN/inf gradient, unless ``nan_policy`` is skip (its step was dropped)."""
         table = torch.stack(self.rows)  # (mini-batches, keys)
         losses, ratio_max = self.column(table, "loss/total"), self.column(table, "val/ratio_max").max()
-        steps = torch.stack([torch.stack(self.norms).float(), torch.stack(self.dropped).float()])
+        steps = torch.stack(self.steps).T  # (2, optimizer steps): norms, dropped
         read = torch.cat([table.mean(0), ratio_max[None], losses, steps.flatten()]).tolist()  # the one wait
-        n_keys, n_mb, n_steps = len(self.keys), len(losses), len(self.norms)
+        n_keys, n_mb, n_steps = len(self.keys), len(losses), len(self.steps)
         mean = dict(zip(self.keys, read[:n_keys], strict=True)) | {"policy/ratio_max": read[n_keys]}
         losses_read = read[n_keys + 1: n_keys + 1 + n_mb]
         norms, dropped = read[-2 * n_steps: -n_steps], read[-n_steps:]
