@@ -7,7 +7,8 @@ never a dependency of the product). Ours and each peer run in turn as subprocess
 one JSON line (see ``bench.configs.summarize``), and this script prints the table, every peer's s/iter and peak memory
 as multiples of ours, and, as its last line, one JSON object with everything. The peer ``ours-lora16`` is our own
 trainer with LoRA r = 16 (in this interpreter): ``--config bench-cpu-medium --peers ours-lora16`` sets LoRA against
-full fine-tuning on a GPT-2-medium shape.
+full fine-tuning on a GPT-2-medium shape; ``ours-compiled`` and ``ours-eager`` are ours with ppo.compile true and
+false (``--peers ours-compiled,ours-eager,trl011-batched`` sets both against TRL in one run).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ PEERS = {
     "trl011-batched": Peer("trl011", "bench.peers.trl_legacy", ("--generate", "batched")),
     "trl112": Peer("trl112", "bench.peers.trl_experimental"),
     "ours-lora16": Peer(None, "bench.ppo_step", ("--lora-r", "16")),
+    # ours with the update's step compiled, and eager (ppo.compile true / false; "ours" runs the default, auto)
+    "ours-compiled": Peer(None, "bench.ppo_step", ("--compile", "true")),
+    "ours-eager": Peer(None, "bench.ppo_step", ("--compile", "false")),
 }
 
 

@@ -9,7 +9,8 @@ peak_gflops, update_share_of_peak, learn_gflops, prompts_sha1, estimator, sample
 ``--estimator rloo --samples-per-prompt 4`` times another ppo.advantage_estimator at the same batch_size (samples):
 each iteration answers the first batch_size / k prompts of its batch k times each. ``--value-model separate`` gives
 gae its own critic. ``--lora-r 16`` trains LoRA adapters (model.lora's other keys at their defaults) against the
-adapters-off reference instead of every weight against a second model.
+adapters-off reference instead of every weight against a second model. ``--compile true|false`` sets ppo.compile
+(default auto, as the stage: compiled on CUDA only); the warm-up iteration pays the compilation.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def ppo_params(cfg: BenchConfig, args: argparse.Namespace) -> PpoParams:
             batch_size=cfg.batch_size, mini_batch_size=cfg.mini_batch_size, ppo_epochs=cfg.ppo_epochs,
             learning_rate=cfg.learning_rate, response_min_tokens=cfg.new_tokens, response_max_tokens=cfg.new_tokens,
             advantage_estimator=args.estimator, samples_per_prompt=args.samples_per_prompt,
-            value_model=args.value_model))
+            value_model=args.value_model, compile={"true": True, "false": False}.get(args.compile, args.compile)))
     except ValidationError as e:
         error = e.errors()[0]
         rule = (error.get("ctx") or {}).get("error")
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--value-model", choices=["shared", "separate"], default="shared",
                         help="ppo.value_model (gae only)")
     parser.add_argument("--lora-r", type=int, default=0, help="model.lora.r (0: every weight trains)")
+    parser.add_argument("--compile", choices=["auto", "true", "false"], default="auto", help="ppo.compile")
     args = parser.parse_args()
     set_threads(args.threads)
 
@@ -138,9 +140,9 @@ def main() -> None:
             else "every weight trained, a second model as reference")
     result = summarize("ours", cfg, batches, rows, update, forward, bf16,
                        notes=f"{ppo.advantage_estimator}, k={ppo.samples_per_prompt}; {notes}; {lora}; LM head on "
-                             "response positions only")
+                             f"response positions only; update {'compiled' if trainer.compiled else 'eager'}")
     print(json.dumps(result | {"estimator": ppo.advantage_estimator, "samples_per_prompt": ppo.samples_per_prompt,
-                               "lora_r": args.lora_r}))
+                               "lora_r": args.lora_r, "compiled": trainer.compiled}))
 
 
 if __name__ == "__main__":

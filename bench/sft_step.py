@@ -30,11 +30,11 @@ from collections.abc import Callable
 import torch
 
 from bench.configs import set_threads
-from rlhf.models.precision import autocast, mixed_precision, pick_device
+from rlhf.models.precision import autocast, mixed_precision, pick_device, to_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import read_yaml
 from rlhf.pipeline.sections import SftParams
-from rlhf.train.sft import compiled_loss, next_token_loss, scratch_model, to_device
+from rlhf.train.sft import compiled_loss, next_token_loss, scratch_model
 from tools.presets import load_preset, overlay
 
 GPT2_VOCAB, EOS = 50257, 50256

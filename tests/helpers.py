@@ -162,9 +162,9 @@ def moved_weights(trained: torch.nn.Module, initial: torch.nn.Module) -> set[str
 
 
 def make_trainer(tiny_gpt2_dir: Path, scorer_cls: type = TokenShareScorer, precision: str = "auto", lora_r: int = 0,
-                 **overrides: object) -> PPOTrainer:
-    """A PPOTrainer on the tiny GPT-2 (dropout off) with a scorer of ``scorer_cls``; ``overrides`` are ppo.* params.
-    ``lora_r`` > 0: the policy trains rank-``lora_r`` adapters and the reference is it with them off."""
+                 device: str = "cpu", **overrides: object) -> PPOTrainer:
+    """A PPOTrainer on the tiny GPT-2 (dropout off) on ``device`` with a scorer of ``scorer_cls``; ``overrides`` are
+    ppo.* params. ``lora_r`` > 0: the policy trains rank-``lora_r`` adapters and the reference is it with them off."""
     torch.manual_seed(0)
     settings = dict(batch_size=16, mini_batch_size=8, ppo_epochs=4, learning_rate=3e-3, adap_kl_ctrl=False,
                     init_kl_coef=0.01, response_min_tokens=4, response_max_tokens=8)
@@ -179,8 +179,9 @@ def make_trainer(tiny_gpt2_dir: Path, scorer_cls: type = TokenShareScorer, preci
         disable_dropout(ref)
     disable_dropout(lm)
     scorer = scorer_cls(tokenizer, cutoff=len(tokenizer) // 4)
-    policy = PolicyWithValueHead(lm, cfg.critic)
-    return PPOTrainer(policy, ref, tokenizer, scorer, cfg, torch.device("cpu"), precision)
+    policy = PolicyWithValueHead(lm, cfg.critic).to(device)
+    return PPOTrainer(policy, ref if ref is None else ref.to(device), tokenizer, scorer, cfg, torch.device(device),
+                      precision)
 
 
 def batch(trainer: PPOTrainer, n: int | None = None) -> tuple[list[list[int]], list[str]]:
@@ -199,15 +200,17 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int_
 """The tensor methods that copy a value to the host, each waiting for the device to finish the work queued before."""
 
 
-def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> Counter:
-    """From now on, how often each of HOST_READS is called (calling through to torch's own)."""
+def count_host_reads(monkeypatch: pytest.MonkeyPatch, callers_under: Path | None = None) -> Counter:
+    """From now on, how often each of HOST_READS is called (calling through to torch's own); ``callers_under``: only
+    the calls made by code in that folder."""
     counts: Counter = Counter()
 
     def counting(name: str):
         method = getattr(torch.Tensor, name)
 
         def counted(self: torch.Tensor, *args, **kwargs):
-            counts[name] += 1
+            if callers_under is None or Path(sys._getframe(1).f_code.co_filename).is_relative_to(callers_under):
+                counts[name] += 1
             return method(self, *args, **kwargs)
 
         return counted

@@ -6,6 +6,7 @@ These are the tests that catch a sign error or a mask off by one: each asserts a
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,32 @@ def test_experience_stats_mean_what_trls_mean(tiny_gpt2_dir: Path) -> None:
     # TRL 0.11 legacy's ppo/mean_non_score_reward, a per-token mean, follows from ours and the mean length
     per_token = rollout.non_score_reward[mask.bool()].mean().item()
     assert stats["objective/non_score_reward"] / stats["tokens/response_length"] == pytest.approx(per_token, rel=1e-5)
+
+
+def nan_gradient_on_first_backward(trainer: PPOTrainer) -> None:
+    """The value head's weight gets a NaN gradient in the first backward of the trainer's update (its loss finite)."""
+    calls = 0
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return torch.full_like(grad, float("nan")) if calls == 1 else grad
+
+    trainer.policy.v_head.weight.register_hook(poison)
+
+
+def test_a_step_dropped_for_a_nan_gradient_counts_as_skipped_and_keeps_the_norm_finite(tiny_gpt2_dir: Path) -> None:
+    trainer = make_trainer(tiny_gpt2_dir, nan_policy="skip", ppo_epochs=1)  # 2 optimizer steps
+    nan_gradient_on_first_backward(trainer)
+    stats = trainer.step(*batch(trainer), step=0).stats
+    assert stats["policy/skipped_steps"] == 1.0
+    assert math.isfinite(stats["policy/grad_norm"]) and stats["policy/grad_norm"] > 0
+    assert all(torch.isfinite(p).all() for p in trainer.policy.parameters())
+
+
+def test_a_nan_gradient_stops_under_nan_policy_stop(tiny_gpt2_dir: Path) -> None:
+    trainer = make_trainer(tiny_gpt2_dir, ppo_epochs=1)
+    nan_gradient_on_first_backward(trainer)
+    with pytest.raises(TrainingError, match=r"^step 2: policy/grad_norm: a gradient is NaN/inf \(1 of 2 values\); "
+                                            r"set ppo.nan_policy: skip"):
+        trainer.step(*batch(trainer), step=2)

@@ -105,7 +105,9 @@ def lm_head(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     inputs keep 11 significant bits, 3 more than bf16, and the logits stay fp32 (BENCHMARKS.md, "bf16 tolerance").
     """
     device = hidden.device
-    precision = head_precision(device)  # read before full_precision leaves autocast
+    # read before full_precision leaves autocast; a compiled step cannot switch torch's global matmul setting inside
+    # its graph, so its caller holds it around the whole step (ppo_trainer.CompiledStep)
+    precision = None if torch.compiler.is_compiling() else head_precision(device)
     with full_precision(device):
         return head_logits(lm.get_output_embeddings(), hidden.float(), precision)
 

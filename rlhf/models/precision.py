@@ -166,3 +166,12 @@ def head_logits(head: nn.Module, hidden: torch.Tensor, precision: str | None = N
             return head(hidden)
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
     return _PaddedHead.apply(hidden.to(dtype), head.weight.to(dtype), precision, align)
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``. To CUDA through pinned memory, without waiting: a copy from pageable memory waits
+    for the GPU to finish everything queued before it, a host sync every step that would leave the GPU idle while the
+    host queues the next step."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)

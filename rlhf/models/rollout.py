@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.decoding import decode
@@ -48,6 +49,17 @@ class Samples:
         """The rows ``idx`` (a mini-batch)."""
         return Samples(self.query_responses[idx], self.attention_mask[idx], self.context_length,
                        self.response_mask[idx], self.has_eos[idx])
+
+    def padded(self, context_length: int, response_length: int, pad_id: int) -> Samples:
+        """The same samples laid out as (B, context_length + response_length): more left padding before the
+        queries, more right padding after the responses, both masked (no real token moves relative to another)."""
+        left, right = context_length - self.context_length, response_length - self.responses.shape[1]
+        if left < 0 or right < 0:
+            raise ValueError(f"Samples.padded: ({context_length}, {response_length}) is shorter than the samples' "
+                             f"({self.context_length}, {self.responses.shape[1]})")
+        return Samples(F.pad(self.query_responses, (left, right), value=pad_id),
+                       F.pad(self.attention_mask, (left, right)), context_length,
+                       F.pad(self.response_mask, (0, right)), self.has_eos)
 
 
 def real_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:

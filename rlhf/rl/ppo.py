@@ -218,7 +218,7 @@ def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor | None, old: Experienc
         loss = loss + cfg.vf_coef * vf_loss
         stats |= {"loss/value": vf_loss.detach(), **vf_stats}
     if cfg.kl_loss_coef > 0:
-        kl = kl_loss(logprobs, old.ref_logprobs, old.masks, 1.0)
+        kl = kl_loss(logprobs, old.ref_logprobs, old.masks)
         loss = loss + cfg.kl_loss_coef * kl
         stats["loss/kl"] = kl.detach()
     skipped = pg_stats["val/ratio"] > cfg.ratio_threshold
@@ -227,10 +227,9 @@ def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor | None, old: Experienc
     return loss, stats | {"loss/total": loss.detach(), "policy/skipped": skipped.float(), **pg_stats}
 
 
-def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
-            kl_loss_coef: float) -> torch.Tensor:
-    """GRPO's KL regulariser as a loss term to add (Shao et al. 2024, eq. 4): kl_loss_coef times the masked mean of
-    the per-token k3 estimate of KL(pi || pi_ref),
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GRPO's KL regulariser as a loss term (Shao et al. 2024, eq. 4), unweighted (``ppo_loss`` weighs it by
+    kl_loss_coef): the masked mean of the per-token k3 estimate of KL(pi || pi_ref),
 
         pi_ref / pi - log(pi_ref / pi) - 1    (unbiased, >= 0),
 
@@ -238,7 +237,7 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
     The paper averages over each response's tokens, then over responses; this averages over every real token of the
     batch, as policy_loss does, so that kl_loss_coef weighs the two terms alike.
     """
-    return kl_loss_coef * masked_mean(kl_penalty(logprobs, ref_logprobs, "k3"), mask)
+    return masked_mean(kl_penalty(logprobs, ref_logprobs, "k3"), mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

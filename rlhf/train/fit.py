@@ -143,11 +143,14 @@ def resume(folder: Path, plan: FitPlan, model: torch.nn.Module, optimizer: torch
     return found
 
 
-def compiles(setting: bool | str, device: torch.device, key: str) -> bool:
+def compiles(setting: bool | str, device: torch.device, key: str, processes: bool = False) -> bool:
     """Whether a step compiles under ``key``'s ``setting`` (true, false or auto) on ``device``. auto: on CUDA only. On
     a CPU the compiled step is faster only in bf16, and compiling it takes minutes there, which only a long run
-    repays (docs/gpu.md). True where torch.compile cannot run is an error naming ``key``."""
-    problem = compile_problem(device) if setting else None
+    repays (docs/gpu.md). ``processes``: the step runs data-parallel over several processes, which it does eagerly.
+    True where torch.compile cannot run is an error naming ``key``."""
+    if not setting:
+        return False
+    problem = "several processes (accelerate) run the step eagerly" if processes else compile_problem(device)
     if setting == "auto":
         if device.type == "cuda" and problem is not None:
             log.warning("%s: auto, but torch.compile cannot run here (%s): the step runs eagerly", key, problem)

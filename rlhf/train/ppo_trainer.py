@@ -8,7 +8,7 @@ process samples its own batch, gradients are averaged, the KL controller sees th
 from __future__ import annotations
 
 import contextlib
-import math
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,16 +19,19 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.lora import adapters_disabled
 from rlhf.models.policy import PolicyWithValueHead
-from rlhf.models.precision import autocast
+from rlhf.models.precision import autocast, cuda_matmul_precision, mixed_precision, to_device
 from rlhf.models.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
 from rlhf.models.scorers import Scorer
-from rlhf.pipeline.errors import TrainingError
 from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl import ppo
 from rlhf.rl.estimators import ESTIMATORS
+from rlhf.train import ppo_update
+from rlhf.train.fit import compiles
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+log = logging.getLogger(__name__)
 
 @dataclass
 class Rollout:
@@ -75,9 +78,12 @@ class PPOTrainer:
 
     def __post_init__(self) -> None:
         cfg = self.cfg
-        # fused: one kernel over all parameters instead of a dozen passes per step
-        trained = [p for p in self.policy.parameters() if p.requires_grad]  # every one but a LoRA run's base
-        self.optimizer = torch.optim.AdamW(trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=True)
+        self.compiled = compiles(cfg.compile, self.device, "ppo.compile", processes=self.accelerator is not None)
+        # fused: one kernel over all parameters instead of a dozen passes per step; it also drops a step on the
+        # device (ppo_update). The learning rate lives on the device: the step reads it there
+        self.trained = [p for p in self.policy.parameters() if p.requires_grad]  # every one but a LoRA run's base
+        lr = torch.tensor(cfg.learning_rate, device=self.device)
+        self.optimizer = torch.optim.AdamW(self.trained, lr=lr, weight_decay=cfg.weight_decay, fused=True)
         # the update's forward and backward go through this one: DDP-wrapped by accelerate so that gradients are
         # averaged over processes, else the policy itself (sampling and saving use the unwrapped policy)
         self.wrapped_policy: torch.nn.Module = self.policy
@@ -89,6 +95,20 @@ class PPOTrainer:
         self.sampling = SamplingParams.of(cfg)
         if self.ref_policy is not None:
             self.ref_policy.eval().requires_grad_(False)
+        # model.precision resolved here: its auto probes the CPU, which torch.compile cannot trace
+        self.step_precision = "bf16" if mixed_precision(self.device, self.precision) else "fp32"
+        # a compiled step cannot switch the LM head's fp32 matmuls to TF32 inside its graph (policy.lm_head): under
+        # bf16 on CUDA the update holds that setting around its steps, which holds it for the value head's too
+        cuda_bf16 = self.device.type == "cuda" and self.step_precision == "bf16"
+        self.head_precision = "tf32" if self.compiled and cuda_bf16 else None
+        self.loss_fn, self.clip_fn = ppo_update.minibatch_loss, ppo_update.clip_gradients
+        if self.compiled:
+            log.info("ppo: the update's step compiles in its first iterations (ppo.compile: %s)", cfg.compile)
+            self.loss_fn, self.clip_fn = (ppo_update.compiled(fn, self.device) for fn in (self.loss_fn, self.clip_fn))
+            for p in self.trained:  # gradients accumulate in place, at fixed addresses a CUDA graph can hold
+                p.grad = torch.zeros_like(p)
+                if self.device.type == "cuda":
+                    torch._dynamo.mark_static_address(p.grad)
 
     # --- the iteration ---------------------------------------------------------------------------------------------
 
@@ -137,13 +157,18 @@ class PPOTrainer:
         query_ids, queries, lengths = (repeat_each(x, cfg.samples_per_prompt) for x in (query_ids, queries, lengths))
         with self.autocast():
             samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
+        if self.compiled:  # rollout and update alike see the compiled step's few shapes
+            samples = ppo_update.static_layout(samples, cfg.response_max_tokens, self.tokenizer.pad_token_id)
         return samples, queries, decode_responses(self.tokenizer, samples)
 
     def score(self, samples: Samples, queries: list[str], responses: list[str], step: int) -> torch.Tensor | None:
         """(B,) scores after the EOS penalty and score scaling; None where ppo.nan_policy skips a NaN/inf score."""
         cfg = self.cfg
         raw_scores = self.scorer(queries, responses, samples.response_ids).to(self.device)
-        if not self.finite(raw_scores, step, "score", "the reward scorer returned NaN/inf"):
+        if not (finite := torch.isfinite(raw_scores)).all():
+            if cfg.nan_policy == "stop":
+                raise ppo_update.nan_error(step, "score", "the reward scorer returned NaN/inf", int((~finite).sum()),
+                                           finite.numel())
             return None
         scores = ppo.apply_missing_eos_penalty(raw_scores, samples.has_eos, cfg.missing_eos_penalty)
         return ppo.scale_scores(scores, self.score_moments, cfg.use_score_scaling, cfg.use_score_norm, cfg.score_clip)
@@ -170,83 +195,55 @@ class PPOTrainer:
                        rewards=rewards, non_score_reward=non_score_reward, kl=kl, entropy=out.entropy)
 
     def update(self, rollout: Rollout, step: int) -> dict[str, float]:
-        """``ppo_epochs`` passes over shuffled minibatches; gradients accumulate over micro-batches.
+        """``ppo_epochs`` passes over shuffled minibatches; gradients accumulate over micro-batches. Nothing in it
+        waits for the device but its one read of the stats at the end (``ppo_update.UpdateLog.read``).
 
         An optimizer step whose every mini-batch was skipped (mean ratio above ppo.ratio_threshold) is not taken:
         weights and optimizer state stay as they were (Adam's momentum would otherwise still move the weights, as it
-        does in TRL 0.11, which only zeroes the loss); ``policy/skipped_steps`` counts them.
+        does in TRL 0.11, which only zeroes the loss); nor is one with a NaN/inf gradient (ppo.nan_policy skip; stop
+        stops at the read). ``policy/skipped_steps`` counts both.
         """
         cfg = self.cfg
         self.wrapped_policy.train()
-        B = len(rollout.scores)
-        micro = cfg.mini_batch_size
-        stats: list[dict[str, torch.Tensor]] = []
-        grad_norms = []
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(B)
-            for start in range(0, B, micro * cfg.gradient_accumulation_steps):
-                group = []
-                for mb_start in range(start, start + micro * cfg.gradient_accumulation_steps, micro):
-                    mb = order[mb_start: mb_start + micro].to(self.device)
-                    loss, mb_stats = self.minibatch_loss(rollout, mb)
-                    self.backward(loss / cfg.gradient_accumulation_steps)
-                    group.append(mb_stats)
-                stats += group
-                norm = self.optimizer_step(step, group)
-                if norm is not None:
-                    grad_norms.append(norm)
+        B, micro, accumulate = len(rollout.scores), cfg.mini_batch_size, cfg.gradient_accumulation_steps
+        # every epoch's permutation, drawn as before, goes to the device in one copy that does not wait
+        orders = to_device(torch.stack([torch.randperm(B) for _ in range(cfg.ppo_epochs)]), self.device)
+        stats = ppo_update.UpdateLog()
+        with cuda_matmul_precision(self.head_precision):
+            for order in orders:
+                for start in range(0, B, micro * accumulate):
+                    group = []
+                    for mb_start in range(start, start + micro * accumulate, micro):
+                        loss, mb_stats = self.minibatch_loss(rollout, order[mb_start: mb_start + micro])
+                        self.backward(loss / accumulate)
+                        group.append(stats.add(mb_stats))
+                    stats.add_step(*self.optimizer_step(stats, torch.stack(group)))
         self.wrapped_policy.eval()
-        mean = {k: torch.stack([s[k] for s in stats]).mean().item() for k in stats[0]}
-        mean["policy/ratio_max"] = max(s["val/ratio_max"].item() for s in stats)
-        n_steps = cfg.ppo_epochs * B // (micro * cfg.gradient_accumulation_steps)
-        mean["policy/skipped_steps"] = float(n_steps - len(grad_norms))
-        mean["policy/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0  # none applied
-        return mean
+        return stats.read(step, cfg.nan_policy)
 
     def minibatch_loss(self, rollout: Rollout, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        with self.autocast():
-            out = forward(self.wrapped_policy, rollout.samples[mb], self.cfg.temperature)
-        old = rollout.experience[mb]
-        loss, stats = ppo.ppo_loss(out.logprobs, out.values, old, self.cfg)
-        stats["policy/entropy"] = ppo.masked_mean(out.entropy, old.masks)
-        # TRL 0.11's ppo/val/mean and ppo/returns/mean: the mean over mini-batches of each one's masked mean
-        if old.values is not None:
-            stats["val/mean"] = ppo.masked_mean(old.values, old.masks)
-        if old.returns is not None:
-            stats["val/returns"] = ppo.masked_mean(old.returns, old.masks)
-        return loss, stats
+        if self.compiled and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are logged (UpdateLog.add)
+        return self.loss_fn(self.wrapped_policy, rollout.samples, rollout.experience, mb, self.cfg,
+                            self.step_precision)
 
-    def optimizer_step(self, step: int, group: list[dict[str, torch.Tensor]]) -> float | None:
-        """Clip and apply the gradients accumulated over ``group``'s mini-batches: their norm, or None where every
-        mini-batch was skipped (no step taken, the gradients dropped).
-
-        Its checks are read from the GPU at once, in one wait: each wait leaves the GPU idle while the host queues
-        the next kernels. A NaN/inf loss stops the run here, after its backward but before any weight moves.
-        """
-        losses = torch.stack([s["loss/total"] for s in group])
+    def optimizer_step(self, stats: ppo_update.UpdateLog, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip and apply the gradients accumulated over the mini-batches whose stats are the rows of ``group``:
+        (their norm, whether the step was dropped), both on the device (``ppo_update.drop_step``). A dropped step
+        moves nothing: the fused AdamW skips it on its ``found_inf`` flag, as under GradScaler."""
+        losses = stats.column(group, "loss/total")
         # every process must agree, or their weights would part: skipped only where all processes skipped
-        skipped = self.mean_over_processes(torch.stack([s["policy/skipped"] for s in group]).min())
-        params = list(self.wrapped_policy.parameters())
-        if self.cfg.max_grad_norm is None:  # the norm is still logged, but clipping by inf would rescale every grad
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        elif self.accelerator is not None:
-            norm = self.accelerator.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        skipped = self.mean_over_processes(stats.column(group, "policy/skipped").min()) == 1
+        if self.accelerator is not None and self.cfg.max_grad_norm is not None:  # its clipping knows its sharding
+            norm = self.accelerator.clip_grad_norm_(self.trained, self.cfg.max_grad_norm)
+            dropped = ppo_update.drop_step(norm, losses, skipped)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
-        finite_loss, all_skipped, norm_value = torch.stack(
-            [torch.isfinite(losses).all().float(), skipped.float(), norm.float()]).tolist()
-        if not finite_loss:
-            self.finite(losses, step, "loss/total", "the PPO loss is NaN/inf", always_stop=True)
-        if all_skipped == 1.0:
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
-        if not math.isfinite(norm_value):  # stops, or (ppo.nan_policy skip) drops this step's gradients
-            self.finite(norm, step, "policy/grad_norm", "a gradient is NaN/inf")
-            self.optimizer.zero_grad(set_to_none=True)
-            return float("nan")
+            norm, dropped = self.clip_fn(self.trained, self.cfg.max_grad_norm, losses, skipped)
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wraps torch's
+        optimizer.found_inf = dropped.float()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm_value
+        self.optimizer.zero_grad(set_to_none=not self.compiled)
+        return norm, dropped
 
     # --- helpers ---------------------------------------------------------------------------------------------------
 
@@ -255,17 +252,6 @@ class PPOTrainer:
             self.accelerator.backward(loss)
         else:
             loss.backward()
-
-    def finite(self, x: torch.Tensor, step: int, quantity: str, what: str, always_stop: bool = False) -> bool:
-        """False (skip the batch) or a TrainingError naming the step and quantity when ``x`` has NaN/inf."""
-        if torch.isfinite(x).all():
-            return True
-        if always_stop or self.cfg.nan_policy == "stop":
-            bad = int((~torch.isfinite(x)).sum())
-            advice = ("it stops whatever ppo.nan_policy says: lower ppo.learning_rate" if always_stop
-                      else "set ppo.nan_policy: skip to skip such batches")
-            raise TrainingError(f"step {step}: {quantity}: {what} ({bad} of {x.numel()} values); {advice}")
-        return False
 
     def reference(self) -> contextlib.AbstractContextManager[PreTrainedModel]:
         """The frozen reference: ``ref_policy``, or the policy's LM with its adapters off inside the block."""
@@ -309,6 +295,8 @@ class PPOTrainer:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:  # the step reads its learning rate on the device
+            group["lr"] = torch.as_tensor(group["lr"], device=self.device)
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.score_moments.load_state_dict(state["score_moments"])
         self.skipped_batches = state["skipped_batches"]

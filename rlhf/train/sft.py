@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTraine
 
 from rlhf.models.loading import context_size, fast_activations, load_causal_lm
 from rlhf.models.lora import add_lora
-from rlhf.models.precision import autocast, head_logits, mixed_precision
+from rlhf.models.precision import autocast, head_logits, mixed_precision, to_device
 from rlhf.pipeline.errors import DataError, ModelError
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import TOKENS_DIR
@@ -94,15 +94,6 @@ def compiled_loss() -> Callable[[PreTrainedModel, torch.Tensor, str], torch.Tens
         return compiled(lm, batch, "bf16" if mixed_precision(batch.device, precision) else "fp32")
 
     return loss
-
-
-def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on ``device``. To CUDA through pinned memory, without waiting: a copy from pageable memory waits
-    for the GPU to finish everything queued before it, a host sync every step that would leave the GPU idle while the
-    host queues the next step."""
-    if device.type != "cuda":
-        return batch.to(device)
-    return batch.pin_memory().to(device, non_blocking=True)
 
 
 @torch.no_grad()
