@@ -17,10 +17,12 @@ import torch
 from conftest import ROOT, set_params, write_prompts
 
 from rlhf.data.prompts import Prompts
-from rlhf.models.scorers import make_reward_scorer
+from rlhf.models.reward_functions import load_functions
+from rlhf.models.scorers import Scorer, make_reward_scorer
 from rlhf.pipeline.errors import RewardFunctionError
-from rlhf.pipeline.params import Params, defaults
+from rlhf.pipeline.params import defaults
 from rlhf.pipeline.sections import RewardFunctionParams
+from rlhf.pipeline.wiring import wiring
 from stages import ppo as ppo_stage
 
 # TRL's documented examples, as a TRL user brings them: `reward_len` from TRL's GRPO quick start, verbatim;
@@ -82,15 +84,15 @@ def forget_rewards() -> None:
         del sys.modules[name]
 
 
-def with_functions(*functions: tuple[str, float]) -> Params:
-    reward = defaults().reward.model_copy(update={"model": None, "functions": [
-        RewardFunctionParams(function=spec, weight=weight) for spec, weight in functions]})
-    return defaults().model_copy(update={"reward": reward})
+def reward_of(*functions: tuple[str, float]) -> Scorer:
+    """The ppo stage's reward with ``functions`` alone (reward.model null), loaded as the stage loads it."""
+    specs = [RewardFunctionParams(function=spec, weight=weight) for spec, weight in functions]
+    loaded = load_functions(specs, PROBE, "ppo", wiring("ppo").deps)
+    return make_reward_scorer(loaded, None, "reward.model", "POSITIVE", defaults().model, "cpu")
 
 
 def score(spec: str) -> list[float]:
-    scorer = make_reward_scorer(with_functions((spec, 1.0)), "cpu", "ppo", PROBE)
-    return scorer(PROMPTS, RESPONSES, RESPONSE_IDS).tolist()
+    return reward_of((spec, 1.0))(PROMPTS, RESPONSES, RESPONSE_IDS).tolist()
 
 
 def test_trl_functions_get_prompts_completions_and_token_ids_by_keyword(project_dir: Path) -> None:
@@ -109,7 +111,7 @@ def test_the_probe_passes_each_response_s_token_ids(project_dir: Path) -> None:
     Path("rewards/spy.py").write_text("CALLS = []\ndef f(completions, completion_ids, **kwargs):\n"
                                       "    CALLS.append((completions, completion_ids))\n"
                                       "    return [0.0] * len(completions)\n")
-    make_reward_scorer(with_functions(("rewards.spy:f", 1.0)), "cpu", "ppo", PROBE)
+    reward_of(("rewards.spy:f", 1.0))
     assert sys.modules["rewards.spy"].CALLS == [(["", "The actor", "A film about", "I think this"],
                                                  [[], [18, 19], [15, 16, 17], [13, 14]])]
 
@@ -135,7 +137,7 @@ def test_a_signature_that_fits_both_conventions_or_neither_is_refused_in_one_lin
     Path("rewards/odd.py").write_text(source)
     with pytest.raises(RewardFunctionError, match=r"^reward\.functions\[0\] \(rewards\.odd:f\): the signature "
                                                   + message) as error:
-        make_reward_scorer(with_functions(("rewards.odd:f", 1.0)), "cpu", "ppo", PROBE)
+        reward_of(("rewards.odd:f", 1.0))
     assert "\n" not in str(error.value)
 
 

@@ -151,7 +151,8 @@ def test_a_stop_while_a_stage_imports_is_one_line_and_its_status(signum: int, li
     process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signum
-    assert stderr.strip() == f"{line} while starting; nothing was run"
+    # before the runner is up, or inside it while the stage's own imports (torch) load
+    assert re.fullmatch(rf"{line}( while starting; nothing was run|; nothing written)", stderr.strip()), stderr
 
 
 @pytest.mark.slow
