@@ -1,5 +1,5 @@
-"""The CPU allocator setting docs/gpu.md gives (glibc's environment variables): freed tensor memory is kept for reuse
-instead of being faulted in afresh at every training step."""
+"""The CPU allocator setting (glibc's environment variables of docs/gpu.md, or what a stage sets itself on CPU): freed
+tensor memory is kept for reuse instead of being faulted in afresh at every training step."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import pytest
 from conftest import ROOT
 
 FAULTS = """
-import resource, torch
+import resource, sys, torch
+if sys.argv[1:] == ["stage"]:  # what a stage does on CPU
+    from rlhf.models.precision import pick_device
+    assert pick_device().type == "cpu"
 n = 12 << 20  # floats: 48 MiB and 24 MiB tensors, made and freed as in a training step
 for i in range(10):
     if i == 5:  # the heap has grown to what a step needs
@@ -29,11 +32,11 @@ def documented() -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S+)", line))
 
 
-def page_faults(env: dict[str, str]) -> int:
+def page_faults(env: dict[str, str], *args: str) -> int:
     """Minor page faults a step in a fresh interpreter."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    return int(subprocess.run([sys.executable, "-c", FAULTS], cwd=ROOT, env=clean | env, check=True,
-                              capture_output=True, text=True).stdout)
+    return int(subprocess.run([sys.executable, "-c", FAULTS, *args], cwd=ROOT, check=True, capture_output=True,
+                              text=True, env=clean | env | {"CUDA_VISIBLE_DEVICES": ""}).stdout)
 
 
 def test_the_documented_setting_reuses_freed_memory_without_page_faults() -> None:
@@ -43,3 +46,5 @@ def test_the_documented_setting_reuses_freed_memory_without_page_faults() -> Non
     if default < 1000:  # 72 MiB a step in 4 KiB pages is ~18,000: the kernel backs this memory with huge pages
         pytest.skip(f"{default} page faults a step without the setting: nothing to save here")
     assert page_faults(documented()) * 4 < default
+    assert page_faults({}, "stage") * 4 < default  # a stage on CPU sets it itself
+    assert page_faults({"MALLOC_TRIM_THRESHOLD_": str(128 << 10)}, "stage") * 4 > default  # unless told otherwise
