@@ -28,7 +28,7 @@ from helpers import leftovers, run, snapshot
 
 from rlhf.models.loading import initial_tokenizer, load_tokenizer
 from rlhf.models.scorers import ClassifierScorer
-from rlhf.pipeline.cli import STOP_SIGNALS, stop, stop_signals
+from rlhf.pipeline.cli import STOP_SIGNALS, kept, stop, stop_signals
 from rlhf.pipeline.errors import ModelError, ParamsError, PipelineError, Stopped
 from rlhf.pipeline.params import defaults, initial_policy, load_params
 from rlhf.pipeline.wiring import wiring
@@ -153,6 +153,17 @@ def test_a_stop_while_a_stage_imports_is_one_line_and_its_status(signum: int, li
     assert process.returncode == 128 + signum
     # before the runner is up, or inside it while the stage's own imports (torch) load
     assert re.fullmatch(rf"{line}( while starting; nothing was run|; nothing written)", stderr.strip()), stderr
+
+
+def test_a_stop_in_a_queued_run_s_temporary_workspace_promises_no_resume(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dvc queue kill`` of a queued run (tried: its stage said "checkpoint ... kept; rerun to resume"): DVC deletes
+    the run's copy of the workspace under .dvc/tmp/exps/, its checkpoints with it."""
+    for root, says in ((tmp_path, "; checkpoint data/checkpoints/ppo/step-000004 kept; rerun to resume"),
+                       (tmp_path / ".dvc/tmp/exps/tmpab12cd", "; its checkpoint goes with DVC's temporary workspace")):
+        (root / "data/checkpoints/ppo/step-000004").mkdir(parents=True)
+        monkeypatch.chdir(root)
+        assert kept("ppo", 5).startswith(" at step 5" + says)
 
 
 @pytest.mark.slow

@@ -50,12 +50,16 @@ def one_line(error: Exception, stage: str | None, out_of_memory: str | None) -> 
 
 def kept(stage: str | None, step: int | None) -> str:
     """`` at step N; checkpoint <folder> kept; rerun to resume`` or ``; nothing written`` (a stage writes its outputs
-    only when it completes); nothing for a tool."""
+    only when it completes); nothing for a tool. A queued or ``--temp`` experiment runs in a copy of the workspace
+    under .dvc/tmp/exps/, which DVC deletes, checkpoints and all, once the run ends: no rerun can resume there."""
     if stage is None:
         return ""
     found = checkpoints(checkpoint_dir(stage))
-    return ("" if step is None else f" at step {step}") + (
-        f"; checkpoint {found[-1]} kept; rerun to resume" if found else "; nothing written")
+    at = "" if step is None else f" at step {step}"
+    if found and "/.dvc/tmp/exps/" in Path.cwd().as_posix() + "/":
+        return (f"{at}; its checkpoint goes with DVC's temporary workspace of this queued run: queued again it starts "
+                "over (dvc exp run in the workspace keeps checkpoints across a stop)")
+    return at + (f"; checkpoint {found[-1]} kept; rerun to resume" if found else "; nothing written")
 
 
 def under_dvc(stage: str | None) -> str:
