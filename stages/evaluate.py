@@ -25,16 +25,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.data.prompts import check_prompts, read_prompts
 from rlhf.eval.evaluation import SIDES, evaluate_policy, markdown_report
 from rlhf.eval.plots import histogram
+from rlhf.eval.scorers import load_scorers
 from rlhf.models.loading import check_vocab_match, load_causal_lm, load_initial_policy
 from rlhf.models.precision import pick_device
-from rlhf.models.reward_functions import load_functions
-from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import StagedOutputs, write_json, write_parquet, write_text
 from rlhf.pipeline.params import Params, initial_policy, load_params, reward_model
 from rlhf.pipeline.paths import EVAL_PROMPTS, POLICIES
-from rlhf.pipeline.wiring import wiring
 from rlhf.train.rng import seed_everything
 
 log = logging.getLogger("evaluate")
@@ -73,19 +71,13 @@ def main() -> None:
 
 
 def evaluate(params: Params, outputs: StagedOutputs) -> None:
-    names = params.evaluate.judge_names
     prompts = read_prompts(EVAL_PROMPTS)
     device = pick_device()
     seed_everything(params.seed)
 
     # every scorer and model loads (or fails naming its key) before any sampling
     longest = prompts.longest + params.ppo.response_max_tokens  # what each scorer reads at most
-    functions = load_functions(params.reward.functions, prompts, STAGE, wiring(STAGE).deps)
-    label, batch_size = params.reward.positive_label, params.evaluate.batch_size
-    scorers = {REWARD: make_reward_scorer(functions, *reward_model(params), label, params.model, device, longest,
-                                          batch_size)}
-    for i, (name, spec) in enumerate(zip(names, params.evaluate.judges, strict=True)):
-        scorers[name] = make_scorer(spec, params.model, label, device, f"evaluate.judges[{i}]", longest, batch_size)
+    scorers = load_scorers(params, prompts, STAGE, device, longest)
     initial = initial_policy(params)
     reference, tokenizer = load_initial_policy(initial, params.model)
     reference.to(device).eval()

@@ -24,7 +24,7 @@ import pyarrow as pa
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError
 from rlhf.pipeline.io import StagedOutputs, run_switchable, write_json, write_parquet, write_text
-from rlhf.pipeline.params import Params, initial_policy, load_params, reward_model
+from rlhf.pipeline.params import Params, initial_policy, load_params
 from rlhf.pipeline.paths import (
     EVAL_PROMPTS,
     OPTIMUM_BEST_OF_N,
@@ -32,7 +32,6 @@ from rlhf.pipeline.paths import (
     OPTIMUM_METRICS,
     OPTIMUM_POOL,
 )
-from rlhf.pipeline.wiring import wiring
 
 STAGE = "optimum"
 OUT_OF_MEMORY = "lower evaluate.batch_size"
@@ -49,12 +48,11 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     # imported here: switched off, the stage loads none of it (stages/__init__.py)
     from rlhf.data.prompts import check_prompts, read_prompts
     from rlhf.eval import optimum
+    from rlhf.eval.scorers import load_scorers
     from rlhf.models.loading import load_initial_policy
     from rlhf.models.precision import pick_device
-    from rlhf.models.reward_functions import load_functions
     from rlhf.models.rollout import SamplingParams, evaluation_lengths
     from rlhf.models.runs import Sampler
-    from rlhf.models.scorers import REWARD, make_reward_scorer, make_scorer
     from rlhf.train.rng import seed_everything
 
     start = time.perf_counter()
@@ -69,12 +67,7 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     seed_everything(params.seed)
     # every scorer and the reference load (or fail naming their key) before any sampling
     longest = prompts.longest + cfg.response_max_tokens  # what each scorer reads at most
-    functions = load_functions(params.reward.functions, prompts, STAGE, wiring(STAGE).deps)
-    label, batch_size = params.reward.positive_label, params.evaluate.batch_size
-    scorers = {REWARD: make_reward_scorer(functions, *reward_model(params), label, params.model, device, longest,
-                                          batch_size)}
-    for i, (name, spec) in enumerate(zip(params.evaluate.judge_names, params.evaluate.judges, strict=True)):
-        scorers[name] = make_scorer(spec, params.model, label, device, f"evaluate.judges[{i}]", longest, batch_size)
+    scorers = load_scorers(params, prompts, STAGE, device, longest)
     initial = initial_policy(params)
     reference, tokenizer = load_initial_policy(initial, params.model)
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, cfg.response_max_tokens,
