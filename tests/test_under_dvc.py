@@ -7,10 +7,13 @@
   ``dvc repro`` resumes from it instead of starting over.
 - A stage killed after its outputs went in but before DVC recorded it: the next ``dvc repro`` removes them and reruns
   it, which ends at once from the checkpoint of the run's last step.
+- A tool that runs ``dvc exp run`` (tools.recipe), stopped by Ctrl-C or by a SIGTERM of its own, stops dvc's stage
+  and waits for dvc, which releases its locks.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -138,3 +141,50 @@ def test_a_finished_run_dvc_never_recorded_ends_at_once_on_the_next_repro(ppo_pr
     assert "resuming after step 2" in rerun.stderr + rerun.stdout
     assert {path: (ppo_project / path).read_bytes() for path in FINISHED} == finished
     assert "models/policy" in (ppo_project / "dvc.lock").read_text()
+
+
+def processes_in(folder: Path) -> list[str]:
+    """The command lines of the processes whose working directory is ``folder``."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cwd", "cmdline"]):
+        if process.info["cwd"] == str(folder):
+            found.append(" ".join(process.info["cmdline"] or []))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm-to-the-tool"])
+def test_a_stopped_recipe_stops_dvcs_stage_and_leaves_no_lock(stop: str, ppo_project: Path, imdb_dir: Path,
+                                                               tokenizer_dir: Path) -> None:
+    """Ctrl-C reaches the tool, dvc and the stage; a SIGTERM sent to the tool alone reaches neither. Either way the
+    stage stops with its checkpoint and its line, dvc ends as a stopped ``dvc exp run`` does, its locks released, and
+    nothing runs on (subprocess.run killed dvc a quarter of a second after the stop: its locks stayed held, and after
+    a SIGTERM its stage trained on). The recipe runs the pipeline up to ppo: dvc exp run first checks out what the
+    commit records, which here is nothing."""
+    (ppo_project / "presets").mkdir()
+    (ppo_project / "presets/long.yaml").write_text("ppo:\n  steps: 40\n  checkpoint_every: 4\n")
+    committed(ppo_project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir),
+                              "prepare.eval_prompts": 8, "prepare.train_pairs": 8, "prepare.test_pairs": 4})
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(ppo_project), "DVC_NO_ANALYTICS": "1"}
+    recipe = subprocess.Popen([sys.executable, "-m", "tools.recipe", "long", "ppo"], cwd=ppo_project, env=env,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    wait_for_checkpoint(ppo_project, recipe)
+    if stop == "ctrl-c":  # the terminal signals its foreground process group
+        os.killpg(recipe.pid, signal.SIGINT)
+    else:
+        os.kill(recipe.pid, signal.SIGTERM)
+    signum = signal.SIGINT if stop == "ctrl-c" else signal.SIGTERM
+    _, stderr = recipe.communicate(timeout=300)
+    lines = stderr.strip().splitlines()
+    assert recipe.returncode == 128 + signum and "Traceback" not in stderr, stderr
+    said = "interrupted" if stop == "ctrl-c" else "stopped by SIGTERM"
+    stage = [line for line in lines if line.startswith(f"{said} at step ")]
+    assert len(stage) == 1 and "; checkpoint data/checkpoints/ppo/step-" in stage[0], stderr
+    assert lines[-2:] == ["ERROR: failed to reproduce 'ppo': failed to run: python -m stages.ppo, exited with "
+                          f"{128 + signum}", said], stderr
+    rwlock = ppo_project / ".dvc/tmp/rwlock"
+    assert not rwlock.exists() or json.loads(rwlock.read_text() or "{}") in ({}, {"read": {}, "write": {}})
+    assert processes_in(ppo_project) == []

@@ -5,10 +5,12 @@ local inputs a preset reads under data/raw/, and running dvc with its failure as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import filecmp
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -182,10 +184,34 @@ def validate(base: dict[str, Any], changes: dict[str, Any], copies: dict[str, Pa
                                 for key, value in flatten(changes).items()}), ".")
 
 
-def run_dvc(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+def run_dvc(command: list[str], capture_output: bool = False, **kwargs: Any) -> subprocess.CompletedProcess:
     """``subprocess.run`` of a dvc command (``["dvc", ...]``), through this environment's DVC less one warning that
-    is noise here (tools/quiet_dvc.py)."""
-    return subprocess.run([sys.executable, "-m", "tools.quiet_dvc", *command[1:]], **kwargs)
+    is noise here (tools/quiet_dvc.py), except at a stop: subprocess.run kills its child a quarter of a second after
+    Ctrl-C, which left DVC's locks held and its stage running on. Here dvc is waited for, and the stop passed on
+    (``stop_dvc``)."""
+    if capture_output:
+        kwargs |= {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    with subprocess.Popen([sys.executable, "-m", "tools.quiet_dvc", *command[1:]], **kwargs) as process:
+        try:
+            stdout, stderr = process.communicate()
+        except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal (rlhf/pipeline/cli.py: Stopped)
+            stop_dvc(process.pid, getattr(e, "signum", signal.SIGINT))
+            process.wait()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def stop_dvc(pid: int, signum: int) -> None:
+    """Stop the dvc process ``pid`` as Ctrl-C in its terminal would: SIGINT to dvc (between stages it stops; while a
+    stage runs it ignores SIGINT and waits for the stage) and ``signum`` to the stage, which keeps its checkpoint and
+    says so. Ctrl-C already reached both from the terminal; a SIGTERM or SIGHUP sent to this process alone did not."""
+    import psutil  # a DVC dependency
+
+    with contextlib.suppress(psutil.Error):
+        dvc = psutil.Process(pid)
+        for process in [dvc, *dvc.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signal.SIGINT if process is dvc else signum)
 
 
 def dvc(*args: str) -> str:
