@@ -196,7 +196,7 @@ def run_dvc(command: list[str], capture_output: bool = False, **kwargs: Any) -> 
             stdout, stderr = process.communicate()
         except KeyboardInterrupt as e:  # Ctrl-C, or a stop signal (rlhf/pipeline/cli.py: Stopped)
             stop_dvc(process.pid, getattr(e, "signum", signal.SIGINT))
-            process.wait()
+            process.communicate()  # its output still read: a full pipe would keep it from exiting
             raise
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
