@@ -206,11 +206,17 @@ def project(tmp_path: Path, project_template: Path) -> Path:
     return Path(shutil.copytree(project_template, tmp_path / "project", symlinks=True))
 
 
+def project_env(project: Path) -> dict[str, str]:
+    """The environment of a dvc or tool process run in ``project``: its stages run with this Python and import the
+    project's own code."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": str(project), "DVC_NO_ANALYTICS": "1"}
+
+
 def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run the DVC of this interpreter's environment in ``project``; stages run with the same Python."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(project), "DVC_NO_ANALYTICS": "1"}
-    result = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, env=env, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, env=project_env(project),
+                            capture_output=True, text=True)
     if check and result.returncode != 0:
         raise AssertionError(f"dvc {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
     return result

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import dvc, set_params
+from conftest import dvc, project_env, set_params
 
 CHECKPOINTS = Path("data/checkpoints/ppo")
 FINISHED = ("models/policy/model.safetensors", "data/rollouts/steps-000000-000001.parquet",
@@ -51,11 +51,11 @@ def long_ppo(ppo_project: Path) -> Path:
     return committed(ppo_project, **{"ppo.steps": 40, "ppo.checkpoint_every": 4})
 
 
-def start_dvc(project: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(project), "DVC_NO_ANALYTICS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "dvc", *args], cwd=project, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def start(project: Path, module: str, *args: str) -> subprocess.Popen:
+    """``python -m <module> <args>`` (dvc, a tool) running in ``project``, in a process group of its own (which a
+    test signals as a terminal signals its foreground group)."""
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=project, env=project_env(project), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def wait_for_checkpoint(project: Path, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -82,7 +82,7 @@ def test_a_second_exp_run_in_the_workspace_leaves_no_run_recorded_with_its_param
     for name in inputs:
         shutil.copytree(long_ppo / name, tmp_path / name)
     set_params(long_ppo, **{"ppo.learning_rate": 1e-4})
-    first = start_dvc(long_ppo, "repro", "-s", "ppo")
+    first = start(long_ppo, "dvc", "repro", "-s", "ppo")
     wait_for_checkpoint(long_ppo, first)
     second = dvc(long_ppo, "exp", "run", "-s", "ppo", "-S", "ppo.learning_rate=2e-4", check=False)
     assert second.returncode != 0 and "is busy, it is being blocked by" in second.stderr, second.stderr
@@ -108,7 +108,7 @@ def test_a_second_exp_run_in_the_workspace_leaves_no_run_recorded_with_its_param
 @pytest.mark.slow
 def test_a_stage_whose_dvc_was_killed_stops_at_its_next_checkpoint_and_the_rerun_resumes(long_ppo: Path) -> None:
     set_params(long_ppo, **{"ppo.learning_rate": 2e-5})
-    repro = start_dvc(long_ppo, "repro", "-s", "ppo")
+    repro = start(long_ppo, "dvc", "repro", "-s", "ppo")
     wait_for_checkpoint(long_ppo, repro)
     os.kill(repro.pid, signal.SIGTERM)  # dvc alone, as `kill <pid>` does: its stage is not in the signal's way
     _, stderr = repro.communicate(timeout=600)  # the stage holds dvc's pipes: this returns once it has exited too
@@ -167,10 +167,7 @@ def test_a_stopped_recipe_stops_dvcs_stage_and_leaves_no_lock(stop: str, ppo_pro
     (ppo_project / "presets/long.yaml").write_text("ppo:\n  steps: 40\n  checkpoint_every: 4\n")
     committed(ppo_project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir),
                               "prepare.eval_prompts": 8, "prepare.train_pairs": 8, "prepare.test_pairs": 4})
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(ppo_project), "DVC_NO_ANALYTICS": "1"}
-    recipe = subprocess.Popen([sys.executable, "-m", "tools.recipe", "long", "ppo"], cwd=ppo_project, env=env,
-                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    recipe = start(ppo_project, "tools.recipe", "long", "ppo")
     wait_for_checkpoint(ppo_project, recipe)
     if stop == "ctrl-c":  # the terminal signals its foreground process group
         os.killpg(recipe.pid, signal.SIGINT)
