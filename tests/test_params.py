@@ -12,7 +12,16 @@ import pytest
 from conftest import ROOT
 
 from rlhf.pipeline.errors import ParamsError
-from rlhf.pipeline.params import declaration, defaults, dotted_keys, expand, load_params, parse_params, read_yaml
+from rlhf.pipeline.params import (
+    changed_since_read,
+    declaration,
+    defaults,
+    dotted_keys,
+    expand,
+    load_params,
+    parse_params,
+    read_yaml,
+)
 from rlhf.pipeline.wiring import stages, wiring
 from rlhf.rl.estimators import ESTIMATORS
 
@@ -86,6 +95,27 @@ def test_a_stage_reads_only_the_keys_dvc_yaml_lists_for_it(tmp_path: Path, monke
     with pytest.raises(ParamsError, match=r"^toy reads model.tokenizer, which dvc.yaml does not list"):
         _ = params.tokenizer_path
     assert load_params().sft.enabled is False  # no stage: every key
+
+
+def test_params_caught_halfway_through_a_write_are_read_once_written(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dvc exp run -S`` rewrites params.yaml while a stage runs: a check in the middle of the write saw a file
+    without its last keys and stopped the run on "seed: missing" instead of naming the value that changed. The check
+    reads until two reads agree (the writer finishes in the wait between them)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dvc.yaml").write_bytes((ROOT / "dvc.yaml").read_bytes())
+    full = (ROOT / "params.yaml").read_text()
+    (tmp_path / "params.yaml").write_text(full)
+    load_params("ppo")
+    changed = full.replace("learning_rate: 1.41e-5", "learning_rate: 2.0e-5", 1)
+    assert changed != full
+    lines = changed.splitlines(keepends=True)
+    (tmp_path / "params.yaml").write_text("".join(lines[:len(lines) // 2]))  # the writer's first half
+    monkeypatch.setattr("rlhf.pipeline.params.time.sleep", lambda _: (tmp_path / "params.yaml").write_text(changed))
+    assert changed_since_read("ppo") == "ppo.learning_rate: 1.41e-05 -> 2e-05"
+    (tmp_path / "params.yaml").write_text("".join(lines[:len(lines) // 2]))
+    monkeypatch.setattr("rlhf.pipeline.params.time.sleep", lambda _: None)  # the half is all there is
+    assert changed_since_read("ppo").startswith("it no longer validates: params.yaml: ")
 
 
 @pytest.mark.parametrize(("dotted", "value", "key", "rule"), [

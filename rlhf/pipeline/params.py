@@ -7,6 +7,7 @@ number, ``yes`` a string)."""
 from __future__ import annotations
 
 import functools
+import time
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,17 +37,31 @@ def parse_yaml(text: str, where: str) -> Any:
         raise ParamsError(f"{where}: not valid YAML: {line}{problem or str(e).strip().splitlines()[0]}") from None
 
 
-def read_yaml(path: Path | str) -> Any:
-    """A YAML file as DVC reads it (params.yaml, presets)."""
-    path = Path(path)
+def read_text(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ParamsError(f"{path}: not found (run from the project root)") from None
     except UnicodeDecodeError as e:
         raise ParamsError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
     except OSError as e:  # a folder, no permission
         raise ParamsError(f"{path}: cannot be read ({e.strerror})") from None
+
+
+def read_yaml(path: Path | str) -> Any:
+    """A YAML file as DVC reads it (params.yaml, presets)."""
+    return parse_yaml(read_text(Path(path)), str(path))
+
+
+def read_settled_yaml(path: Path, *, wait: float = 0.05, tries: int = 40) -> Any:
+    """read_yaml, once two reads ``wait`` seconds apart agree: a writer (``dvc exp run -S``, an editor) may be halfway
+    through the file, which then misses its last keys."""
+    text = read_text(path)
+    for _ in range(tries):
+        time.sleep(wait)
+        if (again := read_text(path)) == text:
+            break
+        text = again
     return parse_yaml(text, str(path))
 
 
@@ -163,7 +178,7 @@ def changed_since_read(stage: str) -> str | None:
     if path != PARAMS_FILE.resolve():  # another project's (tests run stages of many in one process)
         return None
     try:
-        now = stage_values(parse_params(read_yaml(path), path.parent), list(before))
+        now = stage_values(parse_params(read_settled_yaml(path), path.parent), list(before))
     except ParamsError as e:
         return f"it no longer validates: {e}"
     changes = [f"{key}: {before[key]!r} -> {now[key]!r}" for key in before if now[key] != before[key]]
