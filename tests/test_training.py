@@ -56,6 +56,26 @@ def test_on_cpu_the_lm_head_is_full_fp32_even_under_bf16_autocast() -> None:
     assert torch.equal(mixed, lm_head(lm, hidden.bfloat16().float()))
 
 
+def test_on_cpu_under_bf16_autocast_the_lm_head_backward_runs_in_bf16() -> None:
+    """The logits stay fp32 (above); the backward's two matmuls, the head's largest cost in a CPU update, run in bf16
+    as every other layer's backward does under autocast: the gradients of a bf16 matmul of the same operands. In
+    fp32 (no autocast) they are the module's own."""
+    lm, hidden = tiny_lm(), torch.randn(2, 3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert precision.head_grad_dtype(hidden.device) == torch.bfloat16
+        logits, grad_hidden, grad_weight = head_grads(lm.lm_head, hidden, lambda h, x: lm_head(lm, x))
+    assert logits.dtype == torch.float32 and torch.equal(logits, lm.lm_head(hidden))
+    coef = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).bfloat16().reshape(-1, 300)
+    flat, weight = hidden.reshape(-1, 64).bfloat16(), lm.lm_head.weight.detach().bfloat16()
+    assert torch.equal(grad_hidden, (coef @ weight).float().view(2, 3, 64))
+    assert torch.equal(grad_weight, (coef.T @ flat).float())
+    assert precision.head_grad_dtype(hidden.device) is None
+    full = head_grads(lm.lm_head, hidden, lambda h, x: lm_head(lm, x))
+    plain = head_grads(lm.lm_head, hidden, lambda h, x: h(x))
+    for ours, theirs in zip(full, plain, strict=True):
+        assert torch.equal(ours, theirs)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 needs a CUDA GPU; on CPU the head is fp32 (above)")
 def test_on_cuda_under_bf16_autocast_the_lm_head_runs_in_tf32() -> None:
     lm, hidden = tiny_lm(768).cuda(), torch.randn(4, 16, 768, device="cuda")

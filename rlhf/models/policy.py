@@ -14,7 +14,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.loading import save_pretrained
-from rlhf.models.precision import full_precision, head_logits, head_precision
+from rlhf.models.precision import full_precision, head_grad_dtype, head_logits, head_precision
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -103,13 +103,15 @@ def lm_head(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     in bf16: the head's dot products average its rounding out, and what they share across tokens cancels in the
     log-softmax. On CUDA under bf16 autocast the head's matmul runs in TF32 (``precision.head_precision``): its
     inputs keep 11 significant bits, 3 more than bf16, and the logits stay fp32 (BENCHMARKS.md, "bf16 tolerance").
+    On a CPU under bf16 autocast its backward runs in bf16 (``precision.head_grad_dtype``), as the body's does.
     """
     device = hidden.device
     # read before full_precision leaves autocast; a compiled step cannot switch torch's global matmul setting inside
     # its graph, so its caller holds it around the whole step (ppo_trainer.CompiledStep)
     precision = None if torch.compiler.is_compiling() else head_precision(device)
+    grad_dtype = head_grad_dtype(device)
     with full_precision(device):
-        return head_logits(lm.get_output_embeddings(), hidden.float(), precision)
+        return head_logits(lm.get_output_embeddings(), hidden.float(), precision, grad_dtype=grad_dtype)
 
 
 def response_logits(lm: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor,

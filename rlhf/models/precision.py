@@ -106,6 +106,15 @@ def head_precision(device: torch.device) -> str:
     return "tf32" if device.type == "cuda" and torch.is_autocast_enabled(device.type) else "ieee"
 
 
+def head_grad_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype of the LM head's backward matmuls at this point: on a CPU inside bf16 autocast (a run that chose
+    mixed precision), bf16, as every other layer's backward is there; None (the forward's fp32) elsewhere. The
+    logits, and so every log-prob and ratio, stay fp32; on CUDA the backward keeps TF32 (``_PaddedHead``)."""
+    if device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return None
+
+
 @contextlib.contextmanager
 def cuda_matmul_precision(precision: str | None) -> Iterator[None]:
     """fp32 CUDA matmuls in ``precision`` ('tf32': inputs rounded to 11 significant bits, fp32 accumulation and output,
@@ -135,7 +144,8 @@ VOCAB_ALIGN = 64  # CUDA: the head's vocabulary padded to a multiple of this (na
 
 class _PaddedHead(torch.autograd.Function):
     """``hidden @ weight.T`` with the weight's rows (the vocabulary) zero-padded to a multiple of ``align``, every
-    matmul of forward and backward in the fp32 ``precision`` (None: torch's own setting).
+    matmul of forward and backward in the fp32 ``precision`` (None: torch's own setting), the backward's in
+    ``grad_dtype`` where given (None: the forward's dtype).
 
     cuBLAS takes its fast kernels only for 16-byte-aligned rows, which GPT-2's 50,257 logits are not (the profile of
     an H200 showed the head on older, slower kernels); and autograd runs the backward after the forward's
@@ -144,48 +154,50 @@ class _PaddedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, precision: str | None,
-                align: int) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, precision: str | None, align: int,
+                grad_dtype: torch.dtype | None) -> torch.Tensor:
         vocab = weight.shape[0]
-        padded = F.pad(weight, (0, 0, 0, -vocab % align))
+        padded = F.pad(weight, (0, 0, 0, -vocab % align)) if vocab % align else weight
         # 2-D: a (B, R, H) slice of the body's output would otherwise go to a batched matmul, R rows at a time
         flat = hidden.reshape(-1, hidden.shape[-1])
         ctx.save_for_backward(flat, padded)
-        ctx.precision, ctx.vocab, ctx.shape = precision, vocab, hidden.shape
+        ctx.precision, ctx.vocab, ctx.shape, ctx.grad_dtype = precision, vocab, hidden.shape, grad_dtype
         with cuda_matmul_precision(precision):
             logits = flat @ padded.T
         return logits.view(*hidden.shape[:-1], -1)[..., :vocab]
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         flat, padded = ctx.saved_tensors
-        grad = F.pad(grad, (0, padded.shape[0] - ctx.vocab)).reshape(-1, padded.shape[0])
+        dtype = ctx.grad_dtype or flat.dtype
+        grad = F.pad(grad, (0, padded.shape[0] - ctx.vocab)).reshape(-1, padded.shape[0]).to(dtype)
         grad_hidden = grad_weight = None
         with cuda_matmul_precision(ctx.precision):
             if ctx.needs_input_grad[0]:
-                grad_hidden = (grad @ padded).view(ctx.shape)
+                grad_hidden = (grad @ padded.to(dtype)).view(ctx.shape).to(flat.dtype)
             if ctx.needs_input_grad[1]:
-                grad_weight = (grad.T @ flat)[: ctx.vocab]
-        return grad_hidden, grad_weight, None, None
+                grad_weight = (grad.T @ flat.to(dtype))[: ctx.vocab].to(padded.dtype)
+        return grad_hidden, grad_weight, None, None, None
 
 
-def head_logits(head: nn.Module, hidden: torch.Tensor, precision: str | None = None,
-                align: int | None = None) -> torch.Tensor:
+def head_logits(head: nn.Module, hidden: torch.Tensor, precision: str | None = None, align: int | None = None,
+                grad_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``head(hidden)``: the logits of an LM's output layer, in autocast's dtype where autocast is on, its fp32 CUDA
-    matmuls in ``precision`` (None: torch's own setting).
+    matmuls in ``precision`` (None: torch's own setting), its backward's matmuls in ``grad_dtype`` (None: the
+    logits' dtype).
 
-    On CUDA (or where ``align`` is given) a plain bias-free linear head runs through ``_PaddedHead``: its vocabulary
-    padded to ``align`` (default VOCAB_ALIGN), ``precision`` held in its backward too. Elsewhere it
-    is the module's own call, so the CPU path is unchanged.
+    On CUDA (or where ``align`` or ``grad_dtype`` is given) a plain bias-free linear head runs through
+    ``_PaddedHead``: its vocabulary padded to ``align`` (default VOCAB_ALIGN on CUDA, else none), ``precision`` held
+    in its backward too. Elsewhere it is the module's own call.
     """
     device = hidden.device
     align = align or (VOCAB_ALIGN if device.type == "cuda" else 1)
-    if align == 1 or type(head) is not nn.Linear or head.bias is not None:
+    if (align == 1 and grad_dtype is None) or type(head) is not nn.Linear or head.bias is not None:
         with cuda_matmul_precision(precision):
             return head(hidden)
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
-    return _PaddedHead.apply(hidden.to(dtype), head.weight.to(dtype), precision, align)
+    return _PaddedHead.apply(hidden.to(dtype), head.weight.to(dtype), precision, align, grad_dtype)
 
 
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
