@@ -158,7 +158,7 @@ def test_ppo_learns_from_trl_s_example_functions(ppo_project: Path, tokenizer_di
     functions = [{"function": f"rewards.trl_examples:{name}", "weight": weight}
                  for name, weight in (("reward_len", 1.0), ("format_reward_func", 1.0), ("token_count", 0.5))]
     set_params(ppo_project, **{"reward.model": None, "reward.functions": functions, "ppo.steps": 40,
-                               "ppo.batch_size": 16, "ppo.mini_batch_size": 8, "ppo.learning_rate": 3e-3,
+                               "ppo.batch_size": 32, "ppo.mini_batch_size": 8, "ppo.learning_rate": 3e-3,
                                "ppo.adap_kl_ctrl": False, "ppo.init_kl_coef": 0.01, "ppo.checkpoint_every": 0,
                                "ppo.response_min_tokens": 4, "ppo.response_max_tokens": 8})
     monkeypatch.chdir(ppo_project)
@@ -176,7 +176,7 @@ def test_ppo_learns_from_trl_s_example_functions(ppo_project: Path, tokenizer_di
     assert system["gpu_busy"].isna().all()  # no GPU here
     assert json.loads(Path("metrics/ppo.json").read_text())["ppo"]["system"]["cpu_cores"] > 0
     by_step = rollouts.groupby("step")["score"].mean()
-    # reward_len dominates: about -8 at first, its batch mean's noise about 1 a step; measured (under load, 30
-    # steps, trainer alone) +1.7 and +2.3 between the first and last 5 steps
+    # reward_len dominates: about -5 at first. With batches of 16 the gain was +1.2 to +3.0 over six seeds, and
+    # +0.99 on one CI machine at seed 0 (CPUs round apart); with 32, +2.1 to +3.0 (EPYC-BF16)
     first, last = by_step.iloc[:10].mean(), by_step.iloc[-10:].mean()
     assert last > first + 1, by_step.round(2).tolist()
