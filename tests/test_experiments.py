@@ -12,16 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ALL_STAGES, dvc, set_params
+from conftest import ALL_STAGES, dvc, project_env, set_params
 from helpers import ran_stages
 
 
 def compare(project: Path, *args: str) -> str:
     """``python -m tools.compare`` in ``project``, with this environment's dvc."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(project), "DVC_NO_ANALYTICS": "1"}
-    result = subprocess.run([sys.executable, "-m", "tools.compare", *args], cwd=project, env=env, capture_output=True,
-                            text=True)
+    result = subprocess.run([sys.executable, "-m", "tools.compare", *args], cwd=project, env=project_env(project),
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return result.stdout
 

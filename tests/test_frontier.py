@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from conftest import ALL_STAGES, ROOT, dvc, error_line
+from conftest import ALL_STAGES, ROOT, dvc, error_line, project_env
 from test_experiments import git_commit
 
 from rlhf.eval import optimum
@@ -214,10 +213,8 @@ def test_the_limit_joins_as_series_and_each_point_gets_its_share_of_the_optimum(
 
 def run_frontier(project: Path, *args: str) -> subprocess.CompletedProcess:
     """The command in ``project``, with this interpreter's dvc and python first on PATH (DVC runs the stages)."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(ROOT), "DVC_NO_ANALYTICS": "1"}
-    return subprocess.run([sys.executable, "-m", "tools.frontier", *args], cwd=project, env=env, capture_output=True,
-                          text=True)
+    return subprocess.run([sys.executable, "-m", "tools.frontier", *args], cwd=project, env=project_env(ROOT),
+                          capture_output=True, text=True)
 
 
 def test_bad_arguments_fail_before_anything_runs(tmp_path: Path) -> None:
