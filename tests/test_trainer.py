@@ -31,15 +31,20 @@ def train(trainer: PPOTrainer, steps: int) -> list[dict[str, float]]:
     return [trainer.step(*batch(trainer), step=s).stats for s in range(steps)]
 
 
+def gain(stats: list[dict[str, float]], n: int = 8) -> float:
+    """The mean score of the last ``n`` steps less that of the first ``n``: one step's batch mean is noisy."""
+    scores = [s["objective/scores"] for s in stats]
+    return sum(scores[-n:]) / n - sum(scores[:n]) / n
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_reward_goes_up(tiny_gpt2_dir: Path, precision: str) -> None:
     trainer = make_trainer(tiny_gpt2_dir, precision=precision)
     stats = train(trainer, 40)
-    first = sum(s["objective/scores"] for s in stats[:4]) / 4
-    last = sum(s["objective/scores"] for s in stats[-4:]) / 4
-    # measured at 40 steps: +0.72 to +0.78 in bf16 (1 or 2 threads); at 24 steps bf16 ranged from +0.17 to +0.41
-    assert last > first + 0.4, (first, last)
+    # measured at 40 steps: fp32 +0.54 to +0.80 over four seeds (over 4-step windows the first seed's was +0.45), bf16
+    # +0.67; at 24 steps bf16 ranged from +0.17 to +0.41
+    assert gain(stats) > 0.4, gain(stats)
 
 
 # every critic-free estimator of the table, at 4 samples a prompt where its baseline needs a group
@@ -53,10 +58,9 @@ CRITIC_FREE["grpo"] |= dict(kl_loss_coef=0.04, init_kl_coef=0.0)  # the paper's 
 def test_critic_free_estimators_learn(tiny_gpt2_dir: Path, estimator: str) -> None:
     trainer = make_trainer(tiny_gpt2_dir, **CRITIC_FREE[estimator])
     stats = train(trainer, 40)
-    first = sum(s["objective/scores"] for s in stats[:4]) / 4
-    last = sum(s["objective/scores"] for s in stats[-4:]) / 4
-    # measured at 40 steps, bf16: rloo +0.76, grpo (as configured here) +0.67, reinforce_pp +0.65, dpg +0.70
-    assert last > first + 0.4, (first, last)
+    # measured at 40 steps, bf16: rloo +0.74, grpo (as configured here) +0.65, dr_grpo +0.72, dpg +0.61,
+    # reinforce_pp +0.68
+    assert gain(stats) > 0.4, gain(stats)
     assert "loss/value" not in stats[-1] and "val/mean" not in stats[-1]
 
 
@@ -70,10 +74,8 @@ def test_reward_goes_up_with_lora_against_the_adapter_free_reference(adaptable_g
     assert trainer.ref_policy is None
     frozen = {name: p.clone() for name, p in trainer.policy.named_parameters() if not p.requires_grad}
     stats = train(trainer, 30)
-    first = sum(s["objective/scores"] for s in stats[:4]) / 4
-    last = sum(s["objective/scores"] for s in stats[-4:]) / 4
-    # measured at 30 steps, fp32, gae: 0.12 -> 0.98; the plain tiny GPT-2 (tiny_gpt2_dir) does not learn under LoRA
-    assert last > first + 0.4, (first, last)
+    # measured at 30 steps: gae +0.77, rloo +0.65; the plain tiny GPT-2 (tiny_gpt2_dir) does not learn under LoRA
+    assert gain(stats) > 0.4, gain(stats)
     assert all(torch.equal(p, frozen[name]) for name, p in trainer.policy.named_parameters() if not p.requires_grad)
     assert stats[-1]["objective/kl"] > 0.1  # the adapters moved the policy away from its adapters-off reference
 
