@@ -52,8 +52,20 @@ def test_on_cpu_the_lm_head_is_full_fp32_even_under_bf16_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert precision.head_precision(hidden.device) == "ieee"  # CPUs have no TF32
         mixed = lm_head(lm, hidden.bfloat16())
-    assert mixed.dtype == torch.float32
-    assert torch.equal(mixed, lm_head(lm, hidden.bfloat16().float()))
+    assert mixed.dtype == torch.float32  # as fp32's (another kernel: its rounding, not bf16's)
+    torch.testing.assert_close(mixed, lm_head(lm, hidden.bfloat16().float()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 257])
+def test_cpu_linear_is_an_fp32_matmul(rows: int) -> None:
+    """oneDNN's fp32 kernel (where torch has it) as accurate as MKL's sgemm against float64, strided input too."""
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 2 * 384, generator=g)[:, ::2], torch.randn(1000, 384, generator=g) * 0.05
+    exact = x.double() @ weight.double().T
+    ours, sgemm = precision.cpu_linear(x, weight), x @ weight.T
+    assert ours.dtype == torch.float32 and ours.shape == (rows, 1000)
+    assert (ours.double() - exact).abs().max() <= 4 * (sgemm.double() - exact).abs().max() + 1e-6
+    assert torch.equal(precision.cpu_linear(x.bfloat16(), weight.bfloat16()), x.bfloat16() @ weight.bfloat16().T)
 
 
 def test_on_cpu_under_bf16_autocast_the_lm_head_backward_runs_in_bf16() -> None:
@@ -64,7 +76,8 @@ def test_on_cpu_under_bf16_autocast_the_lm_head_backward_runs_in_bf16() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert precision.head_grad_dtype(hidden.device) == torch.bfloat16
         logits, grad_hidden, grad_weight = head_grads(lm.lm_head, hidden, lambda h, x: lm_head(lm, x))
-    assert logits.dtype == torch.float32 and torch.equal(logits, lm.lm_head(hidden))
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, lm.lm_head(hidden), rtol=1e-5, atol=1e-6)
     coef = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).bfloat16().reshape(-1, 300)
     flat, weight = hidden.reshape(-1, 64).bfloat16(), lm.lm_head.weight.detach().bfloat16()
     assert torch.equal(grad_hidden, (coef @ weight).float().view(2, 3, 64))

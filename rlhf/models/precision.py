@@ -139,6 +139,19 @@ def cuda_matmul_precision(precision: str | None) -> Iterator[None]:
             matmul.allow_tf32 = before
 
 
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` of 2-D CPU tensors, fp32 ones through oneDNN's kernel (torch's private op of inductor's CPU
+    path): full fp32 as MKL's sgemm, which torch calls otherwise, and faster than it at the LM head's shapes on AMD
+    EPYC (BENCHMARKS.md). The plain matmul where torch lacks the op, for other dtypes, and inside torch.compile
+    (inductor picks its own kernel)."""
+    linear = None
+    if x.dtype == weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if linear is None or torch.compiler.is_compiling():
+        return x @ weight.T
+    return linear(x, weight, None, "none", [], "")
+
+
 VOCAB_ALIGN = 64  # CUDA: the head's vocabulary padded to a multiple of this (nanoGPT pads GPT-2's to 50,304 too)
 
 
@@ -163,7 +176,7 @@ class _PaddedHead(torch.autograd.Function):
         ctx.save_for_backward(flat, padded)
         ctx.precision, ctx.vocab, ctx.shape, ctx.grad_dtype = precision, vocab, hidden.shape, grad_dtype
         with cuda_matmul_precision(precision):
-            logits = flat @ padded.T
+            logits = cpu_linear(flat, padded) if flat.device.type == "cpu" else flat @ padded.T
         return logits.view(*hidden.shape[:-1], -1)[..., :vocab]
 
     @staticmethod
