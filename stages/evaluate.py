@@ -6,8 +6,10 @@ of evaluate.best_of_n reference responses per prompt, whose KL is reported as th
 
 Reads   data/prompts/eval.parquet, the policy of method, the reference (models/sft when sft.enabled, else
         model.policy), the reward (models/reward when reward.train, else reward.model, plus reward.functions), the
-        judges of evaluate.judges
-Writes  metrics/eval.json                     flat keys (see rlhf/eval/evaluation.py) for dvc metrics diff
+        judges of evaluate.judges, and the optimum's pool (data/optimum) when optimum.samples_per_prompt > 0
+Writes  metrics/eval.json                     flat keys (see rlhf/eval/evaluation.py) for dvc metrics diff; with a
+                                              pool, optimum.objective_* too: the policy's objective E[r] - beta KL
+                                              on the pool's prompts against the optimum's (rlhf/eval/optimum.py)
         data/eval/samples.parquet             query, response_before/after, every score before/after, kl, kl_full
         metrics/evaluate/report.md            before/after summary and examples
         metrics/evaluate/score_histogram.csv  reward score histogram before vs after (the score_histogram plot)
@@ -16,6 +18,7 @@ The outputs are replaced together when the stage completes, or not at all (rlhf/
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -24,10 +27,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.prompts import check_prompts, read_prompts
 from rlhf.eval.evaluation import SIDES, evaluate_policy, markdown_report
+from rlhf.eval.objective import POLICY_SAMPLES, objective_probe, read_pool
 from rlhf.eval.plots import histogram
 from rlhf.eval.scorers import load_scorers
 from rlhf.models.loading import check_vocab_match, load_causal_lm, load_initial_policy
 from rlhf.models.precision import pick_device
+from rlhf.models.scorers import REWARD
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import StagedOutputs, write_json, write_parquet, write_text
@@ -86,9 +91,13 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
         policy.to(device).eval()
     check_prompts(EVAL_PROMPTS, prompts, tokenizer, reference, params.ppo.response_max_tokens,
                   f"the reference model ({initial.what})")
+    probe = objective_probe(params, read_pool(params), prompts, scorers[REWARD], tokenizer, POLICY_SAMPLES,
+                            params.evaluate.batch_size)
 
     with outputs.steps():
         metrics, samples = evaluate_policy(policy, reference, tokenizer, scorers, prompts, params)
+        if probe is not None and policy is not None:
+            metrics |= probe.measure(policy, lambda: contextlib.nullcontext(reference))
     for run, side in SIDES.items():
         if f"response_{side}" in samples and (samples[f"response_{side}"].str.strip() == "").all():
             log.warning("evaluate: every response of the %s run (%s) is empty (it answers EOS at once, or tokens "
@@ -102,6 +111,8 @@ def evaluate(params: Params, outputs: StagedOutputs) -> None:
     write_json(metrics, outputs[EVAL_METRICS])
     kl = (f"KL bound {metrics['kl.best_of_n_bound']:.3f}" if "kl.best_of_n_bound" in metrics else
           f"KL {metrics['kl.mean']:.3f} (exact {metrics['kl.full_mean']:.3f})")
+    if (share := metrics.get("optimum.objective_fraction")) is not None:
+        kl += f", {share:.2f} of the optimum's objective gain at beta {metrics['optimum.objective_beta']:g}"
     log.info("evaluate: %s: reward %.3f -> %.3f, positive %.2f -> %.2f, %s; report in %s", after(params),
              metrics["reward.reference_mean"], metrics["reward.policy_mean"],
              metrics["reward.reference_positive_rate"], metrics["reward.policy_positive_rate"], kl, EVAL_REPORT)

@@ -1,13 +1,17 @@
 """ppo: PPO against the reward scorer, from the initial policy (models/sft or model.policy).
 
 Reads   data/prompts/train.parquet, the initial policy and reference (models/sft when sft.enabled, else
-        model.policy), the reward (models/reward when reward.train, else reward.model, plus reward.functions)
+        model.policy), the reward (models/reward when reward.train, else reward.model, plus reward.functions), and
+        with optimum.samples_per_prompt > 0 the optimum's pool and data/prompts/eval.parquet (the curve below)
 Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM), value_head.safetensors beside it
                                 (gae only: the other estimators train no value head); when method is not ppo, only
                                 DISABLED markers here, in data/rollouts/ and in metrics/ppo/
         data/rollouts/*.parquet one row per sample per step
         metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput), and
-                                system.csv: CPU, memory and GPU use while training (rlhf/train/system_use.py)
+                                system.csv: CPU, memory and GPU use while training (rlhf/train/system_use.py); with
+                                a pool, at every rollout-log flush the objective's share of the optimum's gain on
+                                the pool's prompts (optimum/objective_fraction, optimum/kl, against optimum/samples
+                                trained on: rlhf/eval/objective.py)
         metrics/ppo.json        summary
 The outputs are written under staging siblings (the rollout chunks and curves as the run goes) and replaced together
 when the stage completes, or not at all (rlhf/pipeline/io.py's StagedOutputs).
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -36,14 +41,16 @@ from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import DataError, ModelError, TrainingError, interrupted_at
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, write_disabled, write_json
 from rlhf.pipeline.params import InitialPolicy, Params, initial_policy, load_params, reward_model
-from rlhf.pipeline.paths import POLICY_DIR, PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS
+from rlhf.pipeline.paths import EVAL_PROMPTS, POLICY_DIR, PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS
 from rlhf.pipeline.wiring import wiring
 from rlhf.train.system_use import HEADER as SYSTEM_HEADER
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+    from dvclive import Live
 
     from rlhf.data.prompts import Prompts
+    from rlhf.eval.objective import ObjectiveProbe
     from rlhf.train import checkpoint
     from rlhf.train.batches import Batches
     from rlhf.train.ppo_checkpoint import Checkpointing
@@ -105,7 +112,8 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
     functions, and write the outputs (``outputs``: None on every process but the main one)."""
     import torch
 
-    from rlhf.data.prompts import check_prompts
+    from rlhf.data.prompts import check_prompts, read_prompts
+    from rlhf.eval.objective import CURVE_SAMPLES, objective_probe, read_pool
     from rlhf.models.loading import context_size, load_trainable_policy
     from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
     from rlhf.models.reward_functions import load_functions
@@ -139,6 +147,9 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
     if is_main:
         outputs.check_free_space(POLICY_DIR, checkpoint.weights_bytes(policy))
     check_prompts(TRAIN_PROMPTS, prompts, tokenizer, policy.lm, cfg.response_max_tokens, "the policy")
+    pool = read_pool(params)
+    probe = None if pool is None else objective_probe(params, pool, read_prompts(EVAL_PROMPTS), scorer, tokenizer,
+                                                      CURVE_SAMPLES, cfg.batch_size)
     trainer = PPOTrainer(policy, ref, tokenizer, scorer, cfg, device, params.model.precision,
                          accelerator if accelerator.num_processes > 1 else None,
                          length_generator=torch.Generator().manual_seed(params.seed + rank))
@@ -152,16 +163,17 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
 
     start = ckpt.start if ckpt is not None else time.perf_counter()  # a resumed run's: the time before counts
     with outputs.steps() if is_main else contextlib.nullcontext(), SystemUse(device) as system:
-        last = train(trainer, prompts, order, ckpt, found, accelerator, outputs)
+        last = train(trainer, prompts, order, ckpt, found, accelerator, outputs, probe)
 
     if is_main:
         save_policy(trainer.policy, tokenizer, outputs[POLICY_DIR])
         # the training time of every step (those before a resume too), every process's samples, the last objective
         seconds = time.perf_counter() - start
-        summary = {"trained": True, "processes": accelerator.num_processes, "seconds": round(seconds, 1),
+        samples = cfg.steps * cfg.batch_size * accelerator.num_processes
+        summary = {"trained": True, "processes": accelerator.num_processes, "samples": samples,
+                   "seconds": round(seconds, 1),
                    "skipped_batches": trainer.skipped_batches,
-                   "throughput/samples_per_s": round(cfg.steps * cfg.batch_size * accelerator.num_processes
-                                                     / seconds, 2),
+                   "throughput/samples_per_s": round(samples / seconds, 2),
                    "system": system.summary(), **{k: v for k, v in last.items() if k.startswith("objective/")}}
         write_json({"ppo": summary}, outputs[PPO_METRICS])
         system.write(outputs[PPO_SYSTEM])
@@ -169,10 +181,11 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
 
 
 def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpointing | None,
-          found: checkpoint.Checkpoint | None, accelerator: Accelerator,
-          outputs: StagedOutputs | None) -> dict[str, float]:
+          found: checkpoint.Checkpoint | None, accelerator: Accelerator, outputs: StagedOutputs | None,
+          probe: ObjectiveProbe | None) -> dict[str, float]:
     """The steps after the resumed one (if any) to ppo.steps, logging rollouts and curves (main process, under
-    ``outputs``' staging) and checkpointing at each rollout-log flush. Returns the last step's stats."""
+    ``outputs``' staging), measuring the objective with ``probe`` and checkpointing at each rollout-log flush. Returns
+    the last step's stats."""
     from tqdm import tqdm
 
     from rlhf.train.curves import open_curves  # dvclive's import is slow: only where curves are written
@@ -212,12 +225,26 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                     live.next_step()
                 bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
             if (step + 1) % chunk == 0 or step + 1 == cfg.steps:
+                if probe is not None:  # every process: a sharded policy's forward needs them all
+                    with trainer.autocast():
+                        measured = probe.measure(trainer.policy.lm, trainer.reference)
+                    if is_main:
+                        log_objective(live, measured, (step + 1) * cfg.batch_size * accelerator.num_processes)
                 if is_main:
                     writer.flush()
                 if ckpt is not None:  # the last step's too: a rerun of a finished run (one DVC never recorded)
                     ckpt.save(step, trainer, order, live.step if is_main else 0, last, accelerator)  # ends at once
                     ckpt.stop_if_due(step, accelerator)
     return last
+
+
+def log_objective(live: Live, measured: dict, samples: int) -> None:
+    """The objective's share of the optimum's gain and the KL on the pool's prompts, with the samples trained on
+    (the x of the dvc.yaml plot ``objective``), at the curves' current step."""
+    live.log_metric("optimum/samples", samples, plot=True)
+    live.log_metric("optimum/kl", measured["optimum.objective_kl"], plot=True)
+    fraction = measured["optimum.objective_fraction"]
+    live.log_metric("optimum/objective_fraction", math.nan if fraction is None else fraction, plot=True)
 
 
 def previous_outputs() -> str:

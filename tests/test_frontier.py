@@ -182,6 +182,7 @@ def test_the_limit_joins_as_series_and_each_point_gets_its_share_of_the_optimum(
                                                                                                       "vader"])}
     kl = float(tables["curve"]["kl"].iloc[10])
     point = experiment(kl, 0.55, 0.40)  # its reference: 0.41 and 0.35 (experiment())
+    point["metrics"]["metrics/eval.json"] |= {"optimum.objective_fraction": 0.61, "optimum.objective_kl": 3.6}
     rows = frontier_rows({"cpu-kl0.2": point | {"optimum": tables}}, "cpu", {})
     series = [r["series"] for r in rows]
     assert series.count("optimum") == len(tables["curve"]) and series.count("best-of-n pool") == 7
@@ -192,6 +193,7 @@ def test_the_limit_joins_as_series_and_each_point_gets_its_share_of_the_optimum(
     assert found["optimum.vader_fraction"] == pytest.approx(
         (0.40 - 0.35) / (best["vader.positive_rate"] - tables["curve"]["vader.positive_rate"].iloc[0]))
     assert found["optimum.reliable"] == bool(best["reliable"])
+    assert (found["optimum.objective_fraction"], found["optimum.objective_kl"]) == (0.61, 3.6)
     limit = [r for r in rows if r["series"] == "optimum"]
     assert limit[0]["point"] == "reference" and limit[0]["kl.mean"] == 0
     assert [r["optimum.reliable"] for r in limit[1:]] == tables["curve"]["reliable"].iloc[1:].tolist()
@@ -209,6 +211,8 @@ def test_the_limit_joins_as_series_and_each_point_gets_its_share_of_the_optimum(
     text = Path(frontier_files("cpu")[2]).read_text()
     assert "RM share of the optimum's gain" in text.splitlines()[0]
     assert f"| ppo | kl0.2 | 1 | {kl:.2f} | 55.0 | 40.0 | {found['optimum.rm_fraction']:.2f} |" in text
+    assert "| 0.61 |" in next(line for line in text.splitlines() if line.startswith("| ppo | kl0.2"))
+    assert pd.read_csv(frontier_files("cpu")[0])["optimum.objective_fraction"].dropna().tolist() == [0.61]
 
 
 def run_frontier(project: Path, *args: str) -> subprocess.CompletedProcess:
@@ -349,8 +353,10 @@ def test_a_frontier_sweep_caches_its_points(project: Path, imdb_dir: Path, tiny_
         assert row["optimum.rm_fraction"] == pytest.approx(fraction) or fraction is None
     for _, row in table.iloc[1:].iterrows():
         evaluation = shown[row["experiment"]]["metrics"]["metrics/eval.json"]["data"]
-        for key in ("kl.mean", "kl.full_mean", "reward.policy_positive_rate", "judge.vader.policy_positive_rate"):
+        for key in ("kl.mean", "kl.full_mean", "reward.policy_positive_rate", "judge.vader.policy_positive_rate",
+                    "optimum.objective_fraction", "optimum.objective_kl"):
             assert row[key] == pytest.approx(evaluation[key]), key
+        assert row["ppo.samples"] == 2 * 4  # steps x batch_size
         assert row["ppo.init_kl_coef"] == shown[row["experiment"]]["params"]["params.yaml"]["data"]["ppo"][
             "init_kl_coef"] and not row["ppo.adap_kl_ctrl"]
     reference = shown["tiny-kl0.5"]["metrics"]["metrics/eval.json"]["data"]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import ROOT, set_params
 
+from rlhf.eval import objective as objective_module
 from rlhf.eval import optimum
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.paths import OPTIMUM_BEST_OF_N, OPTIMUM_CURVE, OPTIMUM_METRICS, OPTIMUM_POOL, POLICY_DIR
@@ -38,6 +39,27 @@ def test_the_pool_estimates_are_exact_on_a_pool_holding_the_reference_in_proport
         weights = opt.tilted_weights(pool, beta)[0]
         assert (weights[0] + weights[1]).item() == pytest.approx(pi["a"], rel=1e-12)
         assert weights[2].item() == pytest.approx(pi["b"], rel=1e-12)
+
+
+def test_the_optimal_objective_is_the_tilted_policy_s_and_beats_every_other() -> None:
+    """J*_beta = beta log E_ref[exp(r / beta)] is E[r] - beta KL of pi_beta, computed from the definition on a pool
+    holding the reference in proportion, and no other policy over the three answers does better."""
+    r = {"a": 0.3, "b": 1.0, "c": -2.0}
+    ref = {"a": 0.5, "b": 0.25, "c": 0.25}
+    pool = torch.tensor([[r["a"], r["a"], r["b"], r["c"]]], dtype=torch.float64)
+
+    def objective(pi: dict[str, float], beta: float) -> float:
+        return sum(pi[y] * r[y] for y in r) - beta * sum(pi[y] * math.log(pi[y] / ref[y]) for y in r if pi[y] > 0)
+
+    for beta in (2.0, 0.5, 0.1):
+        z = sum(ref[y] * math.exp(r[y] / beta) for y in r)
+        tilted = {y: ref[y] * math.exp(r[y] / beta) / z for y in r}
+        assert opt.optimal_objective(pool, beta).item() == pytest.approx(objective(tilted, beta), rel=1e-12)
+        for pi in ({"a": 0.2, "b": 0.7, "c": 0.1}, {"a": 0.0, "b": 1.0, "c": 0.0}, ref):
+            assert objective(pi, beta) < opt.optimal_objective(pool, beta).item()
+    assert opt.objective_fraction(0.5, 0.5, 0.8) == 0.0 and opt.objective_fraction(0.8, 0.5, 0.8) == 1.0
+    assert opt.objective_fraction(0.6, 0.5, 0.7) == pytest.approx(0.5)
+    assert opt.objective_fraction(0.6, 0.5, 0.5) is None  # nothing to gain
 
 
 def test_tilted_kl_is_the_kl_of_the_weights_from_uniform_and_saturates_at_log_n() -> None:
@@ -131,6 +153,24 @@ def test_a_point_is_measured_against_the_optimum_at_its_own_kl() -> None:
     assert optimum.gain_fraction(table, 100.0, "reward.positive_rate", 0.1) == (None, False)
 
 
+def test_a_policy_s_objective_share_by_hand() -> None:
+    """One prompt, a pool of rewards 0 and 1, beta 1: the reference's J is 0.5; the optimum puts e / (1 + e) on the
+    1, for J* = log((1 + e) / 2) at KL sum_i w_i log(2 w_i). A policy with that reward and KL gets its whole share, one
+    with reward 0.75 at KL 0.125 (J 0.625) (0.625 - 0.5) / (J* - 0.5), one with the reference's J none."""
+    pool = pd.DataFrame({"prompt": [0, 0], "sample": [0, 1], "reward": [0.0, 1.0]})
+    objective = objective_module.Objective.of(pool, 1.0)
+    w = math.e / (1 + math.e)
+    optimal, kl = math.log((1 + math.e) / 2), w * math.log(2 * w) + (1 - w) * math.log(2 * (1 - w))
+    assert (objective.reference, objective.optimal, objective.optimal_kl) == pytest.approx((0.5, optimal, kl))
+    assert not objective.reliable  # two samples hold no estimate
+    share = objective.share(np.array([[w, w]]), np.array([[kl - 0.1, kl + 0.1]]))
+    assert share["optimum.objective_fraction"] == pytest.approx(1.0)
+    assert share["optimum.objective_gain"] == share["optimum.objective_optimum_gain"] == pytest.approx(optimal - 0.5)
+    assert objective.share(np.array([[0.75]]), np.array([[0.125]]))["optimum.objective_fraction"] == pytest.approx(
+        0.125 / (optimal - 0.5))
+    assert objective.share(np.array([[1.0, 0.5]]), np.array([[0.25, 0.25]]))["optimum.objective_fraction"] == 0.0
+
+
 # --- the stage -----------------------------------------------------------------------------------------------------
 
 
@@ -196,3 +236,29 @@ def test_a_pool_larger_than_memory_is_refused_before_a_model_loads(optimum_dir: 
     with pytest.raises(PipelineError, match=r"^optimum.samples_per_prompt: a pool of 6 prompts x 1000000000 samples "
                                             r"needs about \d+ GiB of memory, [\d.]+ GiB is available"):
         stage.main()
+
+
+def test_evaluate_measures_the_objective_against_the_pool_and_the_reference_gains_nothing(optimum_dir: Path) -> None:
+    """models/policy is the reference, answering each pooled prompt as often as the pool (POLICY_SAMPLES) with the
+    pool's seed, lengths and batches: its samples are the pool's, so its objective is the reference's exactly (KL 0,
+    share 0). Without a beta (the adaptive KL controller) there is no objective to measure."""
+    from stages import evaluate
+    from stages import optimum as stage
+
+    n = objective_module.POLICY_SAMPLES
+    set_params(optimum_dir, **{"optimum.samples_per_prompt": n, "optimum.prompts": 2, "ppo.adap_kl_ctrl": False,
+                               "ppo.init_kl_coef": 0.3})
+    stage.main()
+    evaluate.main()
+    metrics = json.loads(EVAL_METRICS.read_text())
+    pool = pd.read_parquet(OPTIMUM_POOL)
+    assert metrics["optimum.objective_beta"] == 0.3 and metrics["optimum.objective_kl"] == 0.0
+    assert metrics["optimum.objective_gain"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["optimum.objective_fraction"] == pytest.approx(0.0, abs=1e-5)
+    expected = objective_module.Objective.of(pool, 0.3)
+    assert metrics["optimum.objective_optimum_gain"] == pytest.approx(expected.optimal - expected.reference)
+    assert metrics["optimum.objective_reliable"] == expected.reliable
+
+    set_params(optimum_dir, **{"ppo.adap_kl_ctrl": True})
+    evaluate.main()
+    assert not any(key.startswith("optimum.objective") for key in json.loads(EVAL_METRICS.read_text()))

@@ -11,6 +11,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from conftest import ROOT, build_tiny_gpt2, error_line, set_params, write_prompts
 from helpers import eos_only_gpt2, run
 from transformers import AutoModelForCausalLM
@@ -54,6 +55,35 @@ def test_outputs(ppo_project: Path, estimator: str) -> None:
     assert (ignored in result.stderr) != critic
     summary = json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]
     assert summary["trained"] and summary["processes"] == 1
+
+
+@pytest.mark.slow
+def test_the_curve_measures_the_objective_on_the_pool_without_changing_the_run(ppo_project: Path) -> None:
+    """With the optimum's pool, every rollout-log flush measures the objective's share on the pool's prompts against
+    the samples trained on; the probe draws from its own seed and restores the run's random state, so the policy
+    trained is the one trained without a pool."""
+    from safetensors.torch import load_file
+
+    set_params(ppo_project, **{"ppo.adap_kl_ctrl": False})
+    assert run(ppo_project).returncode == 0
+    without = load_file(ppo_project / "models/policy/model.safetensors")
+    prompts = ppo_project / "data/prompts"
+    pq.write_table(pq.read_table(prompts / "train.parquet"), prompts / "eval.parquet")
+    (ppo_project / "data/optimum").mkdir(parents=True)
+    rewards = [0.1, -0.4, 0.9, 0.2, -1.0, 0.5, 0.3, 0.0]  # 2 prompts x 4 samples
+    pd.DataFrame({"prompt": [0] * 4 + [1] * 4, "sample": list(range(4)) * 2, "reward": rewards}).to_parquet(
+        ppo_project / "data/optimum/pool.parquet")
+    set_params(ppo_project, **{"optimum.samples_per_prompt": 4})
+    result = run(ppo_project)
+    assert result.returncode == 0, result.stderr
+    with_probe = load_file(ppo_project / "models/policy/model.safetensors")
+    assert all(torch.equal(without[name], with_probe[name]) for name in without)
+    curves = ppo_project / "metrics/ppo/plots/metrics/optimum"
+    samples = pd.read_csv(curves / "samples.tsv", sep="\t")
+    assert samples["step"].tolist() == [2, 3] and samples["samples"].tolist() == [8, 12]  # flushes after 2 and 3 steps
+    fractions = pd.read_csv(curves / "objective_fraction.tsv", sep="\t")["objective_fraction"]
+    kl = pd.read_csv(curves / "kl.tsv", sep="\t")["kl"]
+    assert len(fractions) == 2 and fractions.notna().all() and (kl > 0).all()
 
 
 @pytest.mark.slow

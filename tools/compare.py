@@ -2,10 +2,10 @@
 
 One row per experiment that ``dvc exp show`` lists (the workspace, HEAD and HEAD's experiments; other arguments go to
 ``dvc exp show``: ``-A``, ``--rev REV``, ``-n N``), the columns a review needs and no more: the method and its KL knob,
-the positive rate of the training reward and of every judge (reference -> policy), the KL, fluency and diversity of the
-policy, its training time and how busy the GPU was meanwhile, and the params that differ from the row's baseline
-commit. At most WIDTH characters wide
-(the changed params wrap). ``dvc exp show`` has every key; docs/stages.md says what each measures.
+the positive rate of the training reward and of every judge (reference -> policy), the policy's KL, its objective's
+share of the optimum's, fluency and diversity, its training time and how busy the GPU was meanwhile, and the params
+that differ from the row's baseline commit. At most WIDTH characters wide (the changed params wrap). ``dvc exp show``
+has every key; docs/stages.md says what each measures.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ JUDGE = re.compile(r"judge\.(.+)\.policy_positive_rate")
 TRAINING = {"ppo": "ppo", "dpo": "dpo"}  # each training method's stage, whose metrics hold its wall time and system
 # use (best_of_n trains none)
 LEGEND = ("reward, {judges}: positive rate on the eval prompts, reference → policy (reward: the training reward; the "
-          "others judge only). KL: mean sampled KL(policy || reference), nats (<=: best-of-N's bound). ppl: the "
+          "others judge only). KL: mean sampled KL(policy || reference), nats (<=: best-of-N's bound). obj: the "
+          "objective E[r] - beta KL's share of the way from the reference's to the optimum's, on the optimum's pool "
+          "prompts (- without a pool, or a beta: docs/experiments.md). ppl: the "
           "reference's perplexity of the policy's responses. dist-2: distinct-2, unique / all bigrams of the "
           "responses. train: seconds the method trained. gpu: the share of that time the GPU was busy (- on CPU). "
           "changed: params that differ from the row's baseline commit.")
@@ -139,6 +141,8 @@ def columns(judges: list[str]) -> dict[str, Column]:
         **{j: Column(j, lambda r, b, j=j: rate(r.metrics, f"judge.{j}"),
                      lambda r, j=j: r.metrics.get(f"judge.{j}.policy_positive_rate")) for j in judges},
         "kl": Column("KL", lambda r, b: kl(r.metrics), lambda r: r.metrics.get("kl.mean")),
+        "objective": Column("obj", lambda r, b: number(r.metrics.get("optimum.objective_fraction"), 2),
+                            lambda r: r.metrics.get("optimum.objective_fraction")),
         "ppl": Column("ppl", lambda r, b: number(r.metrics.get("fluency.ref_perplexity"), 1),
                       lambda r: r.metrics.get("fluency.ref_perplexity")),
         "distinct2": Column("dist-2", lambda r, b: number(r.metrics.get("diversity.distinct2"), 3),
@@ -185,7 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__.splitlines()[0],
                                      epilog="Other arguments go to dvc exp show (-A, --rev REV, -n N).")
     parser.add_argument("--sort-by", help="order each commit's experiments by a column: experiment, method, reward, "
-                                          "a judge's name, kl, ppl, distinct2, train, gpu")
+                                          "a judge's name, kl, objective, ppl, distinct2, train, gpu")
     parser.add_argument("--sort-order", choices=["asc", "desc"], default="asc")
     parser.add_argument("--md", action="store_true", help="a Markdown table (no width limit, no legend)")
     args, dvc_args = parser.parse_known_args()

@@ -7,8 +7,10 @@ a fixed KL coefficient), ``target<t>`` (PPO's adaptive controller), ``beta<b>`` 
 each metric's mean over the seeds and its standard error. Best-of-N has no sampled KL: its rows carry the analytic
 bound log N - (N-1)/N (``kl.source`` says which). Where the experiments hold the optimum stage's pool tables
 (rlhf/eval/optimum.py), the limit joins as the series ``optimum`` (one point per beta) and ``best-of-n pool`` (one per
-n), and each point gets its gain as a fraction of the optimum's at its KL (``optimum.*_fraction``). No I/O here
-besides ``write_frontier``; running DVC is the job of ``tools/frontier.py``.
+n), and each point gets its gain as a fraction of the optimum's at its KL (``optimum.*_fraction``); a trained point
+whose evaluate measured it also has its objective's share of the optimum's at its own beta
+(``optimum.objective_fraction``, rlhf/eval/objective.py). No I/O here besides ``write_frontier``; running DVC is the
+job of ``tools/frontier.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ METHOD_KNOBS = {"ppo": ["ppo.adap_kl_ctrl", "ppo.init_kl_coef", "ppo.target"],
                 "dpo": ["dpo.loss", "dpo.beta", "dpo.tau", "dpo.pairs"], "best_of_n": ["evaluate.best_of_n"]}
 KNOBS = ["method", *(key for keys in METHOD_KNOBS.values() for key in keys)]
 EVAL = "metrics/eval.json"
-TRAINING = {"ppo.seconds": "metrics/ppo.json", "dpo.seconds": "metrics/dpo.json"}  # each method's wall time
+# each method's wall time, and PPO's samples trained on
+TRAINING = {"ppo.seconds": "metrics/ppo.json", "ppo.samples": "metrics/ppo.json", "dpo.seconds": "metrics/dpo.json"}
+OBJECTIVE = ["optimum.objective_fraction", "optimum.objective_gain", "optimum.objective_kl",
+             "optimum.objective_reliable"]  # evaluate's, where it measured the objective
 BOUND = "kl.best_of_n_bound"
 # the same quantity for the trained policy and for the reference (the KL-0 row)
 POLICY_VS_REFERENCE = {"reward.policy_mean": "reward.reference_mean",
@@ -129,6 +134,7 @@ def point_row(name: str, series: str, label: str, params: dict[str, Any], metric
            **{key: params.get(key) for key in METHOD_KNOBS.get(method, [])}, **sampled_or_bound(evaluation)}
     row |= {key: evaluation.get(key) for key in POLICY_VS_REFERENCE}
     row |= {key: value for key, value in evaluation.items() if JUDGE.fullmatch(key)}
+    row |= {key: evaluation[key] for key in OBJECTIVE if key in evaluation}
     row["objective/kl_coef"] = metrics.get(TRAINING["ppo.seconds"], {}).get("ppo.objective/kl_coef")
     row |= {key: metrics.get(file, {}).get(key) for key, file in TRAINING.items()}
     return row | (distances(row, evaluation, curve) if curve is not None and row["kl.mean"] is not None else {})
@@ -261,10 +267,11 @@ def mean_rows(rows: list[dict]) -> list[dict]:
 def columns(rows: list[dict]) -> list[str]:
     """Fixed columns in a fixed order, every judge's positive rate after the reward model's."""
     judges = sorted({key for row in rows for key in row if JUDGE.fullmatch(key)})
-    fractions = sorted({key for row in rows for key in row if key.endswith("_fraction")},
+    fractions = sorted({key for row in rows for key in row if key.endswith("_fraction") and key not in OBJECTIVE},
                        key=lambda key: (key != "optimum.rm_fraction", key))
+    objective = [key for key in OBJECTIVE if any(key in row for row in rows)]
     return ["experiment", "series", "point", "seed", *KNOBS, "kl.source", "kl.mean", "kl.full_mean",
-            "reward.policy_mean", "reward.policy_positive_rate", *judges, *fractions, "optimum.reliable",
+            "reward.policy_mean", "reward.policy_positive_rate", *judges, *fractions, "optimum.reliable", *objective,
             "fluency.ref_perplexity", "diversity.distinct2", "objective/kl_coef", *TRAINING]
 
 
@@ -314,7 +321,8 @@ def report(means: list[dict]) -> str:
         return f"{value * scale:.{digits}f}{spread}"
 
     header = ["series", "point", "seeds", "KL (nats)", *(f"{s} positive %" for s in rates),
-              *(f"{s} share of the optimum's gain" for s in shares), "optimum reliable"]
+              *(f"{s} share of the optimum's gain" for s in shares), "optimum reliable",
+              "share of the optimum's objective gain"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in means:
         if row["series"] == OPTIMUM and row["point"] != REFERENCE and not optimum.round_beta(float(row["point"][4:])):
@@ -324,7 +332,8 @@ def report(means: list[dict]) -> str:
             row["series"], row["point"] + (" (bound)" if row.get("kl.source") == "bound" else ""), str(row["seeds"]),
             cell(row, "kl.mean", digits=2), *(cell(row, key, 100) for key in rates.values()),
             *(cell(row, key, digits=2) for key in shares.values()),
-            "" if reliable is None or pd.isna(reliable) else ("yes" if reliable >= 1 else "no")]) + " |")
+            "" if reliable is None or pd.isna(reliable) else ("yes" if reliable >= 1 else "no"),
+            cell(row, "optimum.objective_fraction", digits=2)]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -8,7 +8,9 @@ w_i ∝ exp(r_i / beta) estimate any expectation under it, E[f] ≈ sum_i w_i f(
     KL(pi_beta || pi_ref) ≈ sum_i w_i r_i / beta - log mean_i exp(r_i / beta),
 
 which saturates at log N as the weights collapse onto one sample; the effective sample size 1 / sum_i w_i^2 says how
-many samples the estimate rests on. Best-of-n over the same samples (Beirami et al. 2024) needs no new draw either:
+many samples the estimate rests on. The objective's value there, J*_beta = E_beta[r] - beta KL = beta log E_ref[exp(r /
+beta)], is the most any policy reaches at that beta; a policy's share of it is how far it got from the reference's
+J = E_ref[r] towards it. Best-of-n over the same samples (Beirami et al. 2024) needs no new draw either:
 the i-th lowest of N rewards is the best of a random n-subset with probability C(i-1, n-1) / C(N, n).
 
 Shapes: P prompts, N samples each; (P, N) rewards in, (P, N) weights or (P,) per-prompt values out.
@@ -62,3 +64,15 @@ def selection_kl(weights: torch.Tensor) -> torch.Tensor:
     N = weights.shape[-1]
     terms = weights * torch.log(N * weights)
     return torch.where(weights > 0, terms, torch.zeros_like(terms)).sum(-1)
+
+
+def optimal_objective(rewards: torch.Tensor, beta: float) -> torch.Tensor:
+    """(P, N) rewards -> (P,) the objective's optimum per prompt, J*_beta = max_pi E_pi[r] - beta KL(pi || pi_ref)
+    = beta log mean_i exp(r_i / beta), reached by pi_beta (biased low where the weights collapse, as its KL)."""
+    return beta * (torch.logsumexp(rewards / beta, -1) - math.log(rewards.shape[-1]))
+
+
+def objective_fraction(objective: float, reference: float, optimal: float) -> float | None:
+    """A policy's objective J as a share of the way from the reference's J to the optimum's, (J - J_ref) / (J* -
+    J_ref): 0 at the reference, 1 at the optimum; None where the optimum gains nothing over the reference."""
+    return (objective - reference) / (optimal - reference) if optimal > reference else None
