@@ -16,7 +16,7 @@ from helpers import count_host_reads
 from rlhf.pipeline.errors import ParamsError, PipelineError, TrainingError
 from rlhf.pipeline.params import load_params
 from rlhf.train.batches import RandomBatches, ShuffledBatches
-from rlhf.train.fit import READ_EVERY, FitPlan, compile_problem, compiles, fit
+from rlhf.train.fit import READ_EVERY, FitPlan, compile_problem, compiles, fit, lr_factor
 
 X = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
 Y = X @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(1))
@@ -155,3 +155,12 @@ def test_compile_auto_is_cuda_only_and_a_true_that_cannot_run_names_its_key(monk
     assert compiles(False, cpu, "sft.compile") is False
     with pytest.raises(ParamsError, match=r"^sft.compile: true, but torch.compile cannot run here \(no Triton\)"):
         compiles(True, cpu, "sft.compile")
+
+
+def test_the_learning_rate_factor_warms_up_then_decays_to_its_floor() -> None:
+    assert [lr_factor(step, 4, 12) for step in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(8, 4, 12) == pytest.approx(0.5) and lr_factor(12, 4, 12) == pytest.approx(0.0)
+    assert lr_factor(8, 4, 12, "linear") == pytest.approx(0.5)
+    assert lr_factor(6, 4, 12, "linear", floor=0.2) == pytest.approx(0.2 + 0.8 * 0.75)
+    assert lr_factor(6, 4, 12, "cosine", floor=0.1) == pytest.approx(0.1 + 0.9 * (2 + 2**0.5) / 4)
+    assert lr_factor(11, 0, 12, "constant") == 1.0 and lr_factor(100, 4, 12) == pytest.approx(0.0)

@@ -149,12 +149,42 @@ def test_first_minibatch_ratio_is_one(tiny_gpt2_dir: Path) -> None:
 
 
 def test_lr_zero_leaves_the_policy_bit_identical(tiny_gpt2_dir: Path) -> None:
-    trainer = make_trainer(tiny_gpt2_dir, learning_rate=1e-30)
-    trainer.optimizer.param_groups[0]["lr"] = 0.0
+    trainer = make_trainer(tiny_gpt2_dir, learning_rate=0.0)  # the params refuse 0; the trainer takes it as given
     before = copy.deepcopy(trainer.policy.state_dict())
     train(trainer, 2)
     for name, tensor in trainer.policy.state_dict().items():
         assert torch.equal(tensor, before[name]), name
+
+
+@pytest.mark.parametrize("decay", ["constant", "linear", "cosine"])
+def test_the_learning_rate_follows_its_schedule_from_the_step_alone(tiny_gpt2_dir: Path, decay: str) -> None:
+    """Warmup then decay, set from the iteration's number: the optimizer steps with it (a resumed run, which starts
+    at a later step, needs no scheduler state), and the stats log it."""
+    trainer = make_trainer(tiny_gpt2_dir, learning_rate=1e-3, warmup_steps=2, lr_decay=decay, steps=6)
+    expected = {"constant": [0.5, 1, 1, 1, 1, 1], "linear": [0.5, 1, 1, 0.75, 0.5, 0.25],
+                "cosine": [0.5, 1, 1, (2 + 2**0.5) / 4, 0.5, (2 - 2**0.5) / 4]}[decay]
+    for step in (4, 0, 5, 1, 2, 3):
+        assert trainer.set_learning_rate(step) == pytest.approx(1e-3 * expected[step])
+        assert trainer.optimizer.param_groups[0]["lr"].item() == pytest.approx(1e-3 * expected[step])
+    assert trainer.step(*batch(trainer), step=2).stats["ppo/learning_rate"] == pytest.approx(1e-3 * expected[2])
+
+
+@pytest.mark.parametrize("value_model", ["shared", "detached"])
+def test_a_detached_value_head_s_loss_trains_the_head_alone(tiny_gpt2_dir: Path, value_model: str) -> None:
+    """The same mini-batch's gradients with the value loss weighed 1 and 0: the backbone's are the policy loss's alone
+    under 'detached', its own plus the value loss's under 'shared'; the head learns in both."""
+    grads = {}
+    for vf_coef in (0.0, 1.0):
+        trainer = make_trainer(tiny_gpt2_dir, value_model=value_model, vf_coef=vf_coef)
+        rollout = make_rollout(trainer, *batch(trainer))
+        loss, _ = trainer.minibatch_loss(rollout, torch.arange(8))
+        loss.backward()
+        grads[vf_coef] = {name: p.grad.clone() for name, p in trainer.policy.named_parameters() if p.grad is not None}
+    backbone = [name for name in grads[0.0] if name.startswith("lm.transformer.h.")]
+    same = [torch.allclose(grads[0.0][name], grads[1.0][name], rtol=1e-6, atol=1e-9) for name in backbone]
+    assert backbone and all(same) == (value_model == "detached")
+    assert "v_head.weight" not in grads[0.0] or grads[0.0]["v_head.weight"].abs().sum() == 0
+    assert grads[1.0]["v_head.weight"].abs().sum() > 0
 
 
 def test_a_nan_score_stops_with_the_step_and_quantity(tiny_gpt2_dir: Path) -> None:

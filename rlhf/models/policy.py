@@ -29,15 +29,17 @@ def disable_dropout(model: nn.Module) -> None:
 class PolicyWithValueHead(nn.Module):
     """``forward`` returns the response-slice logits (B, R, V) and values (B, R) of ``query_responses``.
 
-    ``value_model`` (ppo.critic): 'shared' puts the value head on the LM's backbone, 'separate' on a copy of it;
-    None builds no value head at all (no weights, no optimizer state) and ``forward`` returns values None.
+    ``value_model`` (ppo.critic): 'shared' puts the value head on the LM's backbone, 'detached' too but with the
+    backbone's output detached (the value loss trains the head alone), 'separate' on a copy of the backbone; None
+    builds no value head at all (no weights, no optimizer state) and ``forward`` returns values None.
     Only the positions that predict response tokens go through the LM head: on a 50k vocabulary the head is most of
     the compute, and the prompt positions' logits are never used.
     """
 
-    def __init__(self, lm: PreTrainedModel, value_model: Literal["shared", "separate"] | None = "shared") -> None:
+    def __init__(self, lm: PreTrainedModel,
+                 value_model: Literal["shared", "detached", "separate"] | None = "shared") -> None:
         super().__init__()
-        self.lm = lm
+        self.lm, self.detached = lm, value_model == "detached"
         self.critic = copy.deepcopy(lm.base_model) if value_model == "separate" else None
         self.v_head = nn.Linear(lm.config.hidden_size, 1) if value_model is not None else None
         if self.v_head is not None:
@@ -53,6 +55,8 @@ class PolicyWithValueHead(nn.Module):
             return logits, None
         if self.critic is not None:
             hidden = backbone_hidden(self.critic, query_responses, attention_mask, context_length)
+        elif self.detached:
+            hidden = hidden.detach()
         with full_precision(hidden.device):
             values = self.v_head(hidden.float()).squeeze(-1)
         return logits, values

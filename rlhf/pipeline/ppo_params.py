@@ -15,7 +15,12 @@ class PpoParams(Section):
     steps: int = Field(gt=0)
     """PPO iterations; each samples batch_size prompts (194 x 128 is one pass over the 24,895 train prompts)."""
     learning_rate: float = Field(gt=0)
-    """Adam learning rate of the policy (and value head)."""
+    """Peak Adam learning rate of the policy (and value head)."""
+    warmup_steps: int = Field(ge=0)
+    """Iterations of linear learning-rate warmup from learning_rate / warmup_steps."""
+    lr_decay: Literal["constant", "linear", "cosine"]
+    """The learning rate after the warmup: constant, or decaying (linearly, or as a half cosine) to 0 at the last
+    iteration."""
     weight_decay: float = Field(ge=0)
     """Decoupled (AdamW) weight decay of every policy and value-head parameter; 0 is TRL's PPOTrainer (plain Adam)."""
     batch_size: int = Field(ge=2)
@@ -85,8 +90,9 @@ class PpoParams(Section):
     lose their precision (top_k: 1 samples greedily)."""
     disable_dropout: bool
     """Switch dropout off in the policy and the reference."""
-    value_model: Literal["shared", "separate"]
-    """'shared': a value head on the policy's backbone; 'separate': a critic initialised from the policy (gae only)."""
+    value_model: Literal["shared", "detached", "separate"]
+    """'shared': a value head on the policy's backbone, both losses training it; 'detached': the same head, its loss
+    training the head alone; 'separate': a critic initialised from the policy (gae only)."""
     checkpoint_every: int | None = Field(ge=0)
     """Steps per rollout-log file and per resumable checkpoint in data/checkpoints/ppo/ (a rerun after a kill
     resumes from the newest). 0 or null: no checkpoints, rollout files of 10 steps."""
@@ -133,7 +139,7 @@ class PpoParams(Section):
         return self.batch_size // self.samples_per_prompt
 
     @property
-    def critic(self) -> Literal["shared", "separate"] | None:
+    def critic(self) -> Literal["shared", "detached", "separate"] | None:
         """The value model to train: value_model where the estimator trains a critic, else None."""
         return self.value_model if ESTIMATORS[self.advantage_estimator].trains_critic else None
 

@@ -172,14 +172,18 @@ def compile_problem(device: torch.device) -> str | None:
     return None
 
 
+def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: str = "cosine", floor: float = 0.0) -> float:
+    """The learning rate of step ``step`` (from 0) as a factor of the peak: linear warmup over ``warmup_steps``, then
+    ``decay`` (constant, linear or cosine) to ``floor`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    shape = {"constant": 1.0, "linear": 1 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[decay]
+    return floor + (1 - floor) * shape
+
+
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
                   floor: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup to the base LR, then cosine decay to ``floor`` x base LR at ``total_steps``."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, "cosine", floor))

@@ -26,7 +26,7 @@ from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl import ppo
 from rlhf.rl.estimators import ESTIMATORS
 from rlhf.train import ppo_update
-from rlhf.train.fit import compiles
+from rlhf.train.fit import compiles, lr_factor
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -116,6 +116,7 @@ class PPOTrainer:
         """One full PPO iteration on a batch of ppo.prompts_per_step prompts, each answered ppo.samples_per_prompt
         times: its stats (the phases' wall times included) and rollout."""
         clock = Clock(self.device)
+        learning_rate = self.set_learning_rate(step)
         with clock("generate"):  # 1. sample k responses per prompt
             samples, queries, responses = self.generate(query_ids, queries)
         with clock("score"):  # 2. score them
@@ -130,7 +131,7 @@ class PPOTrainer:
         total, n_tokens = sum(timings.values()), rollout.masks.sum().item()
         result.stats |= {f"time/{k}": v for k, v in timings.items()}
         result.stats |= {"time/step": total, "throughput/samples_per_s": len(rollout.queries) / total,
-                         "throughput/tokens_per_s": n_tokens / total}
+                         "throughput/tokens_per_s": n_tokens / total, "ppo/learning_rate": learning_rate}
         return result
 
     def learn(self, rollout: Rollout, step: int) -> StepResult:
@@ -246,6 +247,15 @@ class PPOTrainer:
         return norm, dropped
 
     # --- helpers ---------------------------------------------------------------------------------------------------
+
+    def set_learning_rate(self, step: int) -> float:
+        """The schedule's learning rate for iteration ``step``, a function of it alone (a resumed run needs no state),
+        written into the device tensor the optimizer step reads; returned."""
+        cfg = self.cfg
+        lr = cfg.learning_rate * lr_factor(step, min(cfg.warmup_steps, cfg.steps), cfg.steps, cfg.lr_decay)
+        for group in getattr(self.optimizer, "optimizer", self.optimizer).param_groups:
+            group["lr"].fill_(lr)
+        return lr
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.accelerator is not None:
