@@ -114,7 +114,7 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
 
     from rlhf.data.prompts import check_prompts, read_prompts
     from rlhf.eval.objective import CURVE_SAMPLES, objective_probe, read_pool
-    from rlhf.models.loading import context_size, load_trainable_policy
+    from rlhf.models.loading import context_size, load_sequence_classifier, load_trainable_policy
     from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
     from rlhf.models.reward_functions import load_functions
     from rlhf.models.scorers import make_reward_scorer
@@ -139,10 +139,11 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
     if (longest := params.prepare.prompt_max_tokens + cfg.response_max_tokens) > context_size(lm):
         raise ModelError(f"ppo.response_max_tokens: prompt_max_tokens + response_max_tokens = {longest} exceeds "
                          f"{initial.what}'s {context_size(lm)} positions")
-    for model in (lm, ref) if cfg.disable_dropout else ():
+    critic = load_sequence_classifier(reward[0], params.model, reward[1]) if cfg.critic == "reward" else None
+    for model in (lm, ref, critic) if cfg.disable_dropout else ():
         if model is not None:
             disable_dropout(model)
-    policy = PolicyWithValueHead(lm, cfg.critic).to(device)
+    policy = PolicyWithValueHead(lm, cfg.critic, critic).to(device)
     ref = ref.to(device) if ref is not None else None
     if is_main:
         outputs.check_free_space(POLICY_DIR, checkpoint.weights_bytes(policy))

@@ -188,6 +188,11 @@ def test_lora_keeps_one_copy_of_the_weights(raw: dict) -> None:
     refused(raw, "ppo.value_model", "'shared' with model.lora.r > 0")
 
 
+def test_a_critic_from_the_reward_model_needs_a_trained_one(raw: dict) -> None:
+    raw["ppo"]["value_model"] = "reward"
+    refused(raw, "ppo.value_model", "'reward' needs reward.train: true")
+
+
 def test_dpo_responses_must_fit_a_scratch_policy(raw: dict) -> None:
     raw["sft"].update(enabled=True, base="scratch", n_positions=32, block_size=32)
     raw["ppo"]["response_max_tokens"] = 16
@@ -343,6 +348,8 @@ def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
     ({"advantage_estimator": "dpg", "samples_per_prompt": 4, "kl_penalty": "k3"}, "ppo.kl_penalty",
      "kl with ppo.advantage_estimator dpg"),
     ({"advantage_estimator": "dpg"}, "ppo.samples_per_prompt", ">= 2 with ppo.advantage_estimator dpg"),
+    ({"advantage_estimator": "grpo", "samples_per_prompt": 4, "kl_penalty": "exact"}, "ppo.kl_penalty",
+     "exact needs an estimator whose advantages keep one scale of the rewards (not grpo)"),
     ({"advantage_estimator": "ppo"}, "ppo.advantage_estimator", "should be " + ", ".join(map(repr, ESTIMATORS))[:20]),
 ])
 def test_estimator_rules_name_the_key(raw: dict, updates: dict, key: str, rule: str) -> None:

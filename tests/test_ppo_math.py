@@ -248,6 +248,41 @@ def test_compute_rewards(case, kl_mode: str) -> None:
             assert rewards[i, t].item() == pytest.approx(-0.3 * k + (scores[i].item() if t == last else 0.0), abs=1e-5)
 
 
+def test_next_position_gives_each_real_token_the_kl_after_it() -> None:
+    kl = torch.tensor([[1.0, 2.0, 3.0, 9.0], [9.0, 1.0, 2.0, 3.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])  # right and left padded
+    assert ppo.next_position(kl, mask).tolist() == [[2.0, 3.0, 0.0, 0.0], [0.0, 2.0, 3.0, 0.0]]
+
+
+def test_the_exact_estimator_s_expected_gradient_is_the_sequence_kl_s() -> None:
+    """On every sequence of two tokens from three, weighed by its probability: the exact KL at each position as a
+    loss (``exact_kl``) plus each token's log-prob times the KL after it (``next_position``, summed to the end) has
+    the gradient of KL(pi || pi_ref) over whole sequences. The KL after a token as its reward alone (full) misses the
+    KL's own gradient at each position, which is what lets full's KL run away."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(4, 3, generator=g, dtype=torch.float64, requires_grad=True)  # logits after (), (0), (1), (2)
+    ref_table = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    sequences = torch.tensor([[a, b] for a in range(3) for b in range(3)])
+    prefixes = torch.stack([torch.zeros(9, dtype=torch.long), sequences[:, 0] + 1], 1)  # (9, 2): the state's row
+    logits, ref_logits = table[prefixes], ref_table[prefixes]  # (9, 2, 3)
+    logprobs = torch.log_softmax(logits, -1).gather(-1, sequences[..., None]).squeeze(-1)
+    ref_logprobs = torch.log_softmax(ref_logits, -1).gather(-1, sequences[..., None]).squeeze(-1)
+    weights = logprobs.sum(1).exp()
+    kl = (weights * (logprobs - ref_logprobs).sum(1)).sum()
+    (truth,) = torch.autograd.grad(kl, table, retain_graph=True)
+
+    mask = torch.ones(9, 2)
+    per_position = ppo.exact_kl(logits, ref_logits)
+    to_come = ppo.next_position(per_position.detach(), mask).flip(1).cumsum(1).flip(1)  # the KL after each token
+    score_function = (logprobs * to_come).sum(1)
+    (exact,) = torch.autograd.grad((weights.detach() * (per_position.sum(1) + score_function)).sum(), table,
+                                   retain_graph=True)
+    assert torch.allclose(exact, truth, rtol=1e-10, atol=1e-12)
+    full_to_come = (per_position.detach() * mask).flip(1).cumsum(1).flip(1)  # full: the KL from the token on
+    (full,) = torch.autograd.grad((weights.detach() * (logprobs * full_to_come).sum(1)).sum(), table)
+    assert not torch.allclose(full, truth, rtol=0.1)
+
+
 def test_compute_rewards_needs_a_real_token_per_row() -> None:
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
     with pytest.raises(ValueError, match=r"compute_rewards: rows \[1\] have no real response token"):
@@ -326,6 +361,26 @@ def test_gae_is_the_same_left_padded_right_padded_and_unpadded(seed: int) -> Non
         _, ret_alone = estimators.gae_advantages(values_left[i:i + 1, real], rewards_left[i:i + 1, real],
                                               torch.ones(1, int(real.sum())), 1.0, 0.95)
         assert torch.equal(ret_alone[0], ret_left[i, real])
+
+
+def test_reward_scale_turns_reward_units_into_the_advantages_units(case) -> None:
+    """GAE's whitened advantages are its raw advantages (rewards' units) less their mean, times the scale; RLOO keeps
+    the rewards' units; GRPO has a scale per group, so none."""
+    g, mask = case
+    values, rewards = torch.randn(B, T, generator=g, dtype=torch.float64), torch.randn(B, T, generator=g,
+                                                                                      dtype=torch.float64)
+    advantages, returns = estimators.gae_advantages(values, rewards, mask, 1.0, 0.95)
+    raw = returns - values * mask
+    scale = estimators.reward_scale("gae", rewards, mask, values, returns, False)
+    assert torch.allclose(advantages, (raw - ppo.masked_mean(raw, mask)) * scale * mask, atol=1e-6)
+    whitened = ppo.masked_whiten(rewards, mask, shift_mean=False) * mask
+    _, returns_w = estimators.gae_advantages(values, whitened, mask, 1.0, 0.95)
+    assert estimators.reward_scale("gae", rewards, mask, values, returns_w, True).item() == pytest.approx(
+        (estimators.reward_scale("gae", whitened, mask, values, returns_w, False)
+         * torch.rsqrt(ppo.masked_var(rewards, mask) + 1e-8)).item())
+    assert estimators.reward_scale("rloo", rewards, mask, None, None, False).item() == 1.0
+    with pytest.raises(ValueError, match="grpo's advantages scale each group"):
+        estimators.reward_scale("grpo", rewards, mask, None, None, False)
 
 
 # --- losses ----------------------------------------------------------------------------------------------------------

@@ -90,10 +90,11 @@ def exact_kl(trainer: PPOTrainer) -> float:
 
 
 @pytest.mark.slow
-def test_a_huge_kl_coef_keeps_the_policy_at_the_reference(tiny_gpt2_dir: Path) -> None:
+@pytest.mark.parametrize("kl_penalty", ["kl", "exact"])
+def test_a_huge_kl_coef_keeps_the_policy_at_the_reference(tiny_gpt2_dir: Path, kl_penalty: str) -> None:
     free = make_trainer(tiny_gpt2_dir, init_kl_coef=0.0)
     train(free, 24)
-    leashed = make_trainer(tiny_gpt2_dir, init_kl_coef=50.0)
+    leashed = make_trainer(tiny_gpt2_dir, init_kl_coef=50.0, kl_penalty=kl_penalty)
     train(leashed, 24)
     # measured: free ~18 nats (it collapses onto the rewarded tokens); leashed 0.45-0.65 in fp32 and bf16 at 2 and
     # 16 threads, 1.66 in bf16 at 16 threads on a Xeon: how far it wanders depends on the rounding, so the bound
@@ -185,6 +186,28 @@ def test_a_detached_value_head_s_loss_trains_the_head_alone(tiny_gpt2_dir: Path,
     assert backbone and all(same) == (value_model == "detached")
     assert "v_head.weight" not in grads[0.0] or grads[0.0]["v_head.weight"].abs().sum() == 0
     assert grads[1.0]["v_head.weight"].abs().sum() > 0
+
+
+def test_a_critic_from_the_reward_model_starts_at_its_score(tiny_gpt2_dir: Path, tiny_classifier_dir: Path) -> None:
+    """value_model reward: the value of each response prefix starts as the reward model's score of that prefix (its
+    body and score head; the value head's bias 0), whatever the policy."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf.models.policy import PolicyWithValueHead
+
+    trainer = make_trainer(tiny_gpt2_dir)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir, num_labels=1,
+                                                                      ignore_mismatched_sizes=True).eval()
+    policy = PolicyWithValueHead(trainer.policy.lm, "reward", reward_model)
+    samples = make_rollout(trainer, *batch(trainer)).samples
+    _, values = policy(samples.query_responses, samples.attention_mask, samples.context_length)
+    for row in range(3):
+        for t in (0, 2):
+            end = samples.context_length + t  # the state before response token t: the prompt and t tokens
+            ids, attention = samples.query_responses[row, :end], samples.attention_mask[row, :end]
+            keep = attention.bool()
+            score = reward_model(input_ids=ids[keep][None]).logits[0, 0]
+            assert values[row, t].item() == pytest.approx(score.item(), abs=1e-4)
 
 
 def test_a_nan_score_stops_with_the_step_and_quantity(tiny_gpt2_dir: Path) -> None:

@@ -30,22 +30,30 @@ class PolicyWithValueHead(nn.Module):
     """``forward`` returns the response-slice logits (B, R, V) and values (B, R) of ``query_responses``.
 
     ``value_model`` (ppo.critic): 'shared' puts the value head on the LM's backbone, 'detached' too but with the
-    backbone's output detached (the value loss trains the head alone), 'separate' on a copy of the backbone; None
-    builds no value head at all (no weights, no optimizer state) and ``forward`` returns values None.
+    backbone's output detached (the value loss trains the head alone), 'separate' on a copy of the backbone,
+    'reward' on ``reward_model``'s (a one-output classifier of the policy's tokenizer), its score head the value
+    head's start; None builds no value head at all (no weights, no optimizer state) and ``forward`` returns values
+    None.
     Only the positions that predict response tokens go through the LM head: on a 50k vocabulary the head is most of
     the compute, and the prompt positions' logits are never used.
     """
 
     def __init__(self, lm: PreTrainedModel,
-                 value_model: Literal["shared", "detached", "separate"] | None = "shared") -> None:
+                 value_model: Literal["shared", "detached", "separate", "reward"] | None = "shared",
+                 reward_model: PreTrainedModel | None = None) -> None:
         super().__init__()
         self.lm, self.detached = lm, value_model == "detached"
-        self.critic = copy.deepcopy(lm.base_model) if value_model == "separate" else None
-        self.v_head = nn.Linear(lm.config.hidden_size, 1) if value_model is not None else None
+        self.critic = {"separate": lambda: copy.deepcopy(lm.base_model),
+                       "reward": lambda: reward_model.base_model}.get(value_model, lambda: None)()
+        hidden = (self.critic or lm).config.hidden_size
+        self.v_head = nn.Linear(hidden, 1) if value_model is not None else None
         if self.v_head is not None:
             # a small head keeps the first value estimates near 0, where the whitened returns start
-            nn.init.normal_(self.v_head.weight, std=1.0 / (lm.config.hidden_size + 1) ** 0.5)
+            nn.init.normal_(self.v_head.weight, std=1.0 / (hidden + 1) ** 0.5)
             nn.init.zeros_(self.v_head.bias)
+        if value_model == "reward":  # the value of a prefix starts as the reward model's score of it
+            with torch.no_grad():
+                self.v_head.weight.copy_(reward_model.score.weight)
 
     def forward(self, query_responses: torch.Tensor, attention_mask: torch.Tensor,
                 context_length: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -58,9 +58,10 @@ class PpoParams(Section):
     """Clip range of the value prediction around its rollout value."""
     vf_coef: float = Field(ge=0)
     """Weight of the value loss."""
-    kl_penalty: Literal["kl", "abs", "mse", "full", "k3"]
+    kl_penalty: Literal["kl", "abs", "mse", "full", "k3", "exact"]
     """Per-token KL estimate in the reward: kl (k1, log-ratio), abs, mse (k2), k3, or full (exact over the vocab: a
-    function of the prefix, not of the sampled token, so it barely holds the KL; docs/experiments.md)."""
+    function of the prefix, not of the sampled token, so it barely holds the KL; docs/experiments.md). exact: the
+    exact KL's gradient, its term at each position as a loss, the KL of the positions after a token in its reward."""
     whiten_rewards: bool
     """Scale the per-token rewards to unit std over the batch, their mean kept (TRL's whiten_rewards), before GAE; the
     offline-cpu preset turns it on: PPO then nears the optimum (docs/experiments.md)."""
@@ -90,9 +91,10 @@ class PpoParams(Section):
     lose their precision (top_k: 1 samples greedily)."""
     disable_dropout: bool
     """Switch dropout off in the policy and the reference."""
-    value_model: Literal["shared", "detached", "separate"]
+    value_model: Literal["shared", "detached", "separate", "reward"]
     """'shared': a value head on the policy's backbone, both losses training it; 'detached': the same head, its loss
-    training the head alone; 'separate': a critic initialised from the policy (gae only)."""
+    training the head alone; 'separate': a critic initialised from the policy; 'reward': a critic initialised from
+    the trained reward model (reward.train), its score head the value head's start (gae only)."""
     checkpoint_every: int | None = Field(ge=0)
     """Steps per rollout-log file and per resumable checkpoint in data/checkpoints/ppo/ (a rerun after a kill
     resumes from the newest). 0 or null: no checkpoints, rollout files of 10 steps."""
@@ -129,7 +131,10 @@ class PpoParams(Section):
         if estimator.needs_kl_coef and self.kl_penalty != "kl":
             raise Rule("kl_penalty", f"must be kl with ppo.advantage_estimator {name} (only k1's summed log-ratio "
                                      "makes R / kl_coef the sample's log importance weight)", self.kl_penalty)
-        if self.value_model == "separate" and not estimator.trains_critic:
+        if self.kl_penalty == "exact" and not estimator.reward_units:
+            raise Rule("kl_penalty", f"exact needs an estimator whose advantages keep one scale of the rewards (not "
+                                     f"{name})", self.kl_penalty)
+        if self.value_model in ("separate", "reward") and not estimator.trains_critic:
             raise Rule("value_model", f"must be 'shared' with ppo.advantage_estimator {name}, which trains no "
                                       "critic (a separate critic would never be used)", self.value_model)
         return self
@@ -139,7 +144,7 @@ class PpoParams(Section):
         return self.batch_size // self.samples_per_prompt
 
     @property
-    def critic(self) -> Literal["shared", "detached", "separate"] | None:
+    def critic(self) -> Literal["shared", "detached", "separate", "reward"] | None:
         """The value model to train: value_model where the estimator trains a critic, else None."""
         return self.value_model if ESTIMATORS[self.advantage_estimator].trains_critic else None
 

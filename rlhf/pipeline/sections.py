@@ -316,9 +316,12 @@ class Params(Section):
         if reward.train and reward.base == "sft" and not sft.enabled:
             raise Rule("reward.base", "is 'sft' but sft.enabled is false (enable sft or name another base)",
                        reward.base)
-        if self.model.lora.r and self.ppo.critic == "separate":
+        if self.model.lora.r and self.ppo.critic in ("separate", "reward"):
             raise Rule("ppo.value_model", "must be 'shared' with model.lora.r > 0 (a separate critic would hold a "
                                           "second full copy of the weights, what LoRA saves)", self.ppo.value_model)
+        if self.ppo.critic == "reward" and not reward.train:
+            raise Rule("ppo.value_model", "'reward' needs reward.train: true (the critic starts from models/reward)",
+                       self.ppo.value_model)
         longest = self.prepare.prompt_max_tokens + self.ppo.response_max_tokens
         if scratch and longest > sft.n_positions:
             raise Rule("ppo.response_max_tokens", f"prompt_max_tokens + response_max_tokens ({longest}) must fit "

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from rlhf.rl.ppo import masked_whiten, require_real_tokens
+from rlhf.rl.ppo import masked_var, masked_whiten, require_real_tokens
 
 # ---------------------------------------------------------------------------------------------------------------------
 # advantages
@@ -165,6 +165,24 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor,
     """
     require_real_tokens(mask, "reinforce_pp_advantages")
     return gae_advantages(torch.zeros_like(rewards), rewards, mask, gamma, lam=1.0)
+
+
+def reward_scale(estimator: str, rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor | None,
+                 returns: torch.Tensor | None, whiten_rewards: bool) -> torch.Tensor:
+    """The factor by which ``estimator``'s advantages scale the (B, T) per-token ``rewards`` they come from (0-dim):
+    a term added to the loss in reward units, times it, weighs against the policy loss as it would in the reward.
+    GAE whitens its advantages over the batch (and with ``whiten_rewards`` its rewards first): 1 / their stds, read
+    from its raw advantages, returns - values; REINFORCE++ whitens its returns: 1 / their std; RLOO and Dr. GRPO keep
+    the rewards' units: 1. GRPO (a std per group) and DPG (weights) have no one factor: a ValueError."""
+    mask = mask.to(rewards.dtype)
+    if estimator in ("rloo", "dr_grpo"):
+        return torch.ones((), device=rewards.device)
+    if estimator == "reinforce_pp":
+        return torch.rsqrt(masked_var(returns, mask) + 1e-8)
+    if estimator == "gae":
+        scale = torch.rsqrt(masked_var(returns - values * mask, mask) + 1e-8)
+        return scale * torch.rsqrt(masked_var(rewards, mask) + 1e-8) if whiten_rewards else scale
+    raise ValueError(f"reward_scale: {estimator}'s advantages scale each group or sample by its own factor")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ class Estimator:
     """``name``: its ppo.advantage_estimator value; ``doc``: what the advantage is, and whose; ``trains_critic``:
     learns a value head (GAE); ``min_samples_per_prompt``: the k its baseline needs (the prompt's other samples);
     ``kl_loss``: accepts GRPO's KL loss term (ppo.kl_loss_coef > 0); ``needs_kl_coef``: reads R / kl_coef as a log
-    importance weight (ppo.init_kl_coef > 0, ppo.kl_penalty kl); ``ignores``: the ppo.* keys it leaves unused besides
-    the critic's."""
+    importance weight (ppo.init_kl_coef > 0, ppo.kl_penalty kl); ``reward_units``: its advantages are the rewards'
+    times one factor per batch (advantages.reward_scale), as ppo.kl_penalty exact needs; ``ignores``: the ppo.* keys
+    it leaves unused besides the critic's."""
 
     name: str
     doc: str
@@ -28,6 +29,7 @@ class Estimator:
     min_samples_per_prompt: int = 1
     kl_loss: bool = False
     needs_kl_coef: bool = False
+    reward_units: bool = True
     ignores: tuple[str, ...] = ()
 
     @property
@@ -55,12 +57,12 @@ ESTIMATORS = {e.name: e for e in (
     Estimator("rloo", "R_i minus the mean R of the prompt's other k - 1 samples (Ahmadian et al. 2024)",
               min_samples_per_prompt=2, ignores=GROUP_IGNORES),
     Estimator("grpo", "(R_i - mean of the prompt's k samples) / (their std + 1e-4) (Shao et al. 2024)",
-              min_samples_per_prompt=2, kl_loss=True, ignores=GROUP_IGNORES),
+              min_samples_per_prompt=2, kl_loss=True, reward_units=False, ignores=GROUP_IGNORES),
     Estimator("dr_grpo", "R_i - mean of the prompt's k samples: GRPO without the std (Dr. GRPO, Liu et al. 2025)",
               min_samples_per_prompt=2, kl_loss=True, ignores=GROUP_IGNORES),
     Estimator("dpg", "k softmax(R / kl_coef) over the prompt's k samples - 1: the forward-KL gradient toward pi_ref "
                      "exp(r / kl_coef) (conditional DPG, Korbak et al. 2022)", min_samples_per_prompt=2,
-              needs_kl_coef=True, ignores=GROUP_IGNORES),
+              needs_kl_coef=True, reward_units=False, ignores=GROUP_IGNORES),
     Estimator("reinforce_pp", "the discounted return-to-go of the per-token rewards, whitened over the batch "
                               "(REINFORCE++, Hu 2025)", ignores=("lam", "whiten_rewards")),
 )}

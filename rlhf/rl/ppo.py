@@ -77,7 +77,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str = "
     kl:  log pi - log pi_ref (k1: unbiased, can be negative per token)
     abs: |k1|;  mse: 0.5 k1^2 (k2)
     k3:  (r - 1) - log r with r = pi_ref / pi (unbiased and non-negative; http://joschu.net/blog/kl-approx.html)
-    full: the exact KL over the vocabulary at each position; needs (B, T, V) ``logits`` and ``ref_logits``.
+    full, exact: the exact KL over the vocabulary at each position; needs (B, T, V) ``logits`` and ``ref_logits``
+    (exact differs in how the trainer uses it: ``next_position``, ``exact_kl``).
     """
     log_ratio = logprobs - ref_logprobs
     if mode == "kl":
@@ -88,11 +89,25 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str = "
         return 0.5 * log_ratio.square()
     if mode == "k3":
         return torch.expm1(-log_ratio) + log_ratio  # expm1 keeps the digits exp(r) - 1 loses near r = 0
-    if mode == "full":
+    if mode in ("full", "exact"):
         if logits is None or ref_logits is None:
-            raise ValueError("kl_penalty: mode 'full' needs logits and ref_logits")
+            raise ValueError(f"kl_penalty: mode {mode!r} needs logits and ref_logits")
         return in_chunks(_chunk_full_kl, logits, ref_logits)
-    raise ValueError(f"kl_penalty: unknown mode {mode!r} (expected kl, abs, mse, k3 or full)")
+    raise ValueError(f"kl_penalty: unknown mode {mode!r} (expected kl, abs, mse, k3, full or exact)")
+
+
+def exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) logits of the policy and of the reference (or its log-probs) -> (B, T) KL(pi || pi_ref) over the
+    vocabulary at each position, differentiable in ``logits``: the exact KL whose gradient ppo.kl_penalty exact
+    takes as a loss term."""
+    return _chunk_full_kl(logits, ref_logits)
+
+
+def next_position(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) per-position KL -> each token's KL of the position after it (0 after a row's last real token): what
+    sampling the token changes of the KL still to come, its reward under ppo.kl_penalty exact."""
+    mask = mask.to(kl.dtype)
+    return F.pad(kl[:, 1:] * mask[:, 1:], (0, 1)) * mask
 
 
 def compute_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
@@ -186,6 +201,8 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor | None  # None for the estimators that score a whole response
     masks: torch.Tensor  # 1 on real response tokens
+    ref_logits: torch.Tensor | None = None  # (B, T, V), ppo.kl_penalty exact only: the reference's, for its KL loss
+    kl_weights: torch.Tensor | None = None  # (B,), exact only: the KL loss's weight, kl_coef in the advantages' units
 
     def __getitem__(self, idx: torch.Tensor) -> Experience:
         return Experience(**{field.name: None if (x := getattr(self, field.name)) is None else x[idx]
@@ -203,13 +220,15 @@ class LossSettings(Protocol):
 
 
 def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor | None, old: Experience,
-             cfg: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             cfg: LossSettings, kl: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """pg_loss + vf_coef * vf_loss + kl_loss_coef * KL of the policy's ``logprobs`` (and ``values``) on the samples of
     the mini-batch ``old``; multiplied by 0 (the mini-batch skipped) when the mean ratio > ratio_threshold.
 
     ``old.values`` None (a critic-free estimator): no value loss and no value stats. ``kl_loss_coef`` > 0 adds GRPO's
-    KL term (``kl_loss``), its unweighted value logged as ``loss/kl``. Stats are detached 0-dim tensors;
-    ``loss/policy``, ``loss/value`` and ``loss/kl`` keep their values when the loss is skipped.
+    KL term (``kl_loss``), its unweighted value logged as ``loss/kl``. ``kl``: the policy's exact per-position KL
+    (``exact_kl``, ppo.kl_penalty exact), added as the masked mean of ``old.kl_weights`` x kl, logged unweighted as
+    ``loss/exact_kl``. Stats are detached 0-dim tensors; ``loss/policy``, ``loss/value`` and ``loss/kl`` keep their
+    values when the loss is skipped.
     """
     pg_loss, pg_stats = policy_loss(logprobs, old.logprobs, old.advantages, old.masks, cfg.cliprange)
     loss, stats = pg_loss, {"loss/policy": pg_loss.detach()}
@@ -218,9 +237,12 @@ def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor | None, old: Experienc
         loss = loss + cfg.vf_coef * vf_loss
         stats |= {"loss/value": vf_loss.detach(), **vf_stats}
     if cfg.kl_loss_coef > 0:
-        kl = kl_loss(logprobs, old.ref_logprobs, old.masks)
-        loss = loss + cfg.kl_loss_coef * kl
-        stats["loss/kl"] = kl.detach()
+        k3 = kl_loss(logprobs, old.ref_logprobs, old.masks)
+        loss = loss + cfg.kl_loss_coef * k3
+        stats["loss/kl"] = k3.detach()
+    if kl is not None:
+        loss = loss + masked_mean(kl * old.kl_weights[:, None], old.masks)
+        stats["loss/exact_kl"] = masked_mean(kl.detach(), old.masks)
     skipped = pg_stats["val/ratio"] > cfg.ratio_threshold
     # multiplying by 0 (not returning a constant) keeps the graph for backward(); a tensor flag avoids a host sync
     loss = loss * (~skipped).to(pg_loss.dtype)

@@ -24,6 +24,7 @@ from rlhf.models.rollout import Samples, SamplingParams, decode_responses, forwa
 from rlhf.models.scorers import Scorer
 from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl import ppo
+from rlhf.rl.advantages import reward_scale
 from rlhf.rl.estimators import ESTIMATORS
 from rlhf.train import ppo_update
 from rlhf.train.fit import compiles, lr_factor
@@ -178,8 +179,9 @@ class PPOTrainer:
     def make_experience(self, samples: Samples, queries: list[str], responses: list[str],
                         scores: torch.Tensor) -> Rollout:
         """3-5 of the iteration: log-probs (and values) of policy and reference, per-token rewards, advantages."""
-        cfg = self.cfg
-        full = cfg.kl_penalty == "full"
+        cfg, kl_coef = self.cfg, self.kl_ctl.value
+        exact = cfg.kl_penalty == "exact"
+        full = exact or cfg.kl_penalty == "full"
         self.policy.eval()
         with self.autocast():
             out = forward(self.policy, samples, cfg.temperature, keep_logits=full)
@@ -187,11 +189,16 @@ class PPOTrainer:
                 ref = forward(reference, samples, cfg.temperature, keep_logits=full)
         masks = samples.response_mask
         kl = ppo.kl_penalty(out.logprobs, ref.logprobs, cfg.kl_penalty, out.logits, ref.logits) * masks
-        rewards, non_score_reward = ppo.compute_rewards(scores, kl, masks, self.kl_ctl.value)
-        advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(rewards, masks, out.values, cfg,
-                                                                               self.kl_ctl.value)
+        # exact: a token's reward holds the KL it leads to; the KL at its own position is the update's loss term
+        rewards, non_score_reward = ppo.compute_rewards(scores, ppo.next_position(kl, masks) if exact else kl, masks,
+                                                        kl_coef)
+        advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(rewards, masks, out.values, cfg, kl_coef)
         experience = ppo.Experience(logprobs=out.logprobs, ref_logprobs=ref.logprobs, values=out.values,
                                     advantages=advantages, returns=returns, masks=masks)
+        if exact:
+            non_score_reward = -kl_coef * kl  # the stats' penalty: every position's KL
+            scale = reward_scale(cfg.advantage_estimator, rewards, masks, out.values, returns, cfg.whiten_rewards)
+            experience.ref_logits, experience.kl_weights = ref.logits, (kl_coef * scale).expand(len(scores))
         return Rollout(samples=samples, queries=queries, responses=responses, scores=scores, experience=experience,
                        rewards=rewards, non_score_reward=non_score_reward, kl=kl, entropy=out.entropy)
 

@@ -49,10 +49,11 @@ def minibatch_loss(policy: torch.nn.Module, samples: Samples, experience: ppo.Ex
     """The PPO loss of the rows ``mb`` of a rollout under the current ``policy``, and its stats (detached 0-dim
     tensors). ``precision``: model.precision resolved, 'bf16' or 'fp32' (its auto probes the CPU, which
     torch.compile cannot trace)."""
-    with autocast(mb.device, precision):
-        out = forward(policy, samples[mb], cfg.temperature)
     old = experience[mb]
-    loss, stats = ppo.ppo_loss(out.logprobs, out.values, old, cfg)
+    with autocast(mb.device, precision):
+        out = forward(policy, samples[mb], cfg.temperature, keep_logits=old.ref_logits is not None)
+    kl = None if old.ref_logits is None else ppo.exact_kl(out.logits, old.ref_logits)
+    loss, stats = ppo.ppo_loss(out.logprobs, out.values, old, cfg, kl)
     stats["policy/entropy"] = ppo.masked_mean(out.entropy, old.masks)
     # TRL 0.11's ppo/val/mean and ppo/returns/mean: the mean over mini-batches of each one's masked mean
     if old.values is not None:
