@@ -10,7 +10,7 @@ Writes  models/policy/          the trained LM + tokenizer (AutoModelForCausalLM
         metrics/ppo/            DVCLive curves (reward, KL, kl_coef, losses, clip fractions, throughput), and
                                 system.csv: CPU, memory and GPU use while training (rlhf/train/system_use.py); with
                                 a pool, at every rollout-log flush the objective's share of the optimum's gain on
-                                the pool's prompts (optimum/objective_fraction, optimum/kl, against optimum/samples
+                                the pool's prompts (optimum/objective_fraction, optimum/kl, and optimum/samples
                                 trained on: rlhf/eval/objective.py)
         metrics/ppo.json        summary
 The outputs are written under staging siblings (the rollout chunks and curves as the run goes) and replaced together

@@ -126,7 +126,7 @@ def test_params_caught_halfway_through_a_write_are_read_once_written(tmp_path: P
     ("ppo.batch_size", "many", "ppo.batch_size", "valid integer"),
     ("ppo.learning_rate", True, "ppo.learning_rate", "valid number"),
     ("ppo.adap_kl_ctrl", "yes", "ppo.adap_kl_ctrl", "valid boolean"),
-    ("ppo.kl_penalty", "kk", "ppo.kl_penalty", "'kl', 'abs', 'mse', 'full' or 'k3'"),
+    ("ppo.kl_penalty", "kk", "ppo.kl_penalty", "'kl', 'abs', 'mse', 'full', 'k3' or 'exact'"),
     ("ppo.gamma", 1.5, "ppo.gamma", "less than or equal to 1"),
     ("ppo.top_p", 0.0, "ppo.top_p", "greater than 0"),
     ("ppo.batch_size", 100, "ppo.batch_size", "multiple of ppo.mini_batch_size x ppo.gradient_accumulation_steps"),

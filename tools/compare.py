@@ -23,6 +23,7 @@ from rlhf.pipeline.errors import ParamsError
 from tools.presets import as_override, dvc, flatten
 
 WIDTH = 120
+MIN_CHANGED = 24  # the narrowest the changed params' column gets before they move under their row
 JUDGE = re.compile(r"judge\.(.+)\.policy_positive_rate")
 TRAINING = {"ppo": "ppo", "dpo": "dpo"}  # each training method's stage, whose metrics hold its wall time and system
 # use (best_of_n trains none)
@@ -179,8 +180,12 @@ def table(groups: list[tuple[Row, list[Row]]], sort_by: str | None = None, desce
     lines = []
     for line in (headers, *body):
         cells = "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=False))
-        wrapped = textwrap.wrap(line[-1], max(WIDTH - indent, 20), break_on_hyphens=False) or [""]
-        lines += [f"{cells}  {wrapped[0]}".rstrip(), *(" " * indent + more for more in wrapped[1:])]
+        if WIDTH - indent >= MIN_CHANGED or line is headers:
+            wrapped = textwrap.wrap(line[-1], WIDTH - indent, break_on_hyphens=False) or [""]
+            lines += [f"{cells}  {wrapped[0]}".rstrip(), *(" " * indent + more for more in wrapped[1:])]
+        else:  # too little room beside the cells (long judge names): the changed params go under the row
+            lines += [cells.rstrip(), *textwrap.wrap(line[-1], WIDTH, initial_indent=" " * 4,
+                                                    subsequent_indent=" " * 4, break_on_hyphens=False)]
     legend = textwrap.fill(LEGEND.format(judges=", ".join(judges) or "judges"), WIDTH - 1)
     return "\n".join(lines) + "\n\n" + legend + "\n"
 

@@ -7,10 +7,8 @@ a fixed KL coefficient), ``target<t>`` (PPO's adaptive controller), ``beta<b>`` 
 each metric's mean over the seeds and its standard error. Best-of-N has no sampled KL: its rows carry the analytic
 bound log N - (N-1)/N (``kl.source`` says which). Where the experiments hold the optimum stage's pool tables
 (rlhf/eval/optimum.py), the limit joins as the series ``optimum`` (one point per beta) and ``best-of-n pool`` (one per
-n), and each point gets its gain as a fraction of the optimum's at its KL (``optimum.*_fraction``); a trained point
-whose evaluate measured it also has its objective's share of the optimum's at its own beta
-(``optimum.objective_fraction``, rlhf/eval/objective.py). No I/O here besides ``write_frontier``; running DVC is the
-job of ``tools/frontier.py``.
+n), and each point gets its gain as a fraction of the optimum's at its KL (``optimum.*_fraction``) and, as evaluate
+measured it, its objective's share at its own beta (``optimum.objective_*``). No I/O here besides ``write_frontier``.
 """
 
 from __future__ import annotations
@@ -48,10 +46,8 @@ METHOD_KNOBS = {"ppo": ["ppo.adap_kl_ctrl", "ppo.init_kl_coef", "ppo.target"],
                 "dpo": ["dpo.loss", "dpo.beta", "dpo.tau", "dpo.pairs"], "best_of_n": ["evaluate.best_of_n"]}
 KNOBS = ["method", *(key for keys in METHOD_KNOBS.values() for key in keys)]
 EVAL = "metrics/eval.json"
-# each method's wall time, and PPO's samples trained on
 TRAINING = {"ppo.seconds": "metrics/ppo.json", "ppo.samples": "metrics/ppo.json", "dpo.seconds": "metrics/dpo.json"}
-OBJECTIVE = ["optimum.objective_fraction", "optimum.objective_gain", "optimum.objective_kl",
-             "optimum.objective_reliable"]  # evaluate's, where it measured the objective
+OBJECTIVE = [f"optimum.objective_{key}" for key in ("fraction", "gain", "kl", "reliable")]
 BOUND = "kl.best_of_n_bound"
 # the same quantity for the trained policy and for the reference (the KL-0 row)
 POLICY_VS_REFERENCE = {"reward.policy_mean": "reward.reference_mean",
@@ -133,8 +129,7 @@ def point_row(name: str, series: str, label: str, params: dict[str, Any], metric
     row = {"experiment": name, "series": series, "point": label, "seed": params.get("seed"), "method": method,
            **{key: params.get(key) for key in METHOD_KNOBS.get(method, [])}, **sampled_or_bound(evaluation)}
     row |= {key: evaluation.get(key) for key in POLICY_VS_REFERENCE}
-    row |= {key: value for key, value in evaluation.items() if JUDGE.fullmatch(key)}
-    row |= {key: evaluation[key] for key in OBJECTIVE if key in evaluation}
+    row |= {key: value for key, value in evaluation.items() if JUDGE.fullmatch(key) or key in OBJECTIVE}
     row["objective/kl_coef"] = metrics.get(TRAINING["ppo.seconds"], {}).get("ppo.objective/kl_coef")
     row |= {key: metrics.get(file, {}).get(key) for key, file in TRAINING.items()}
     return row | (distances(row, evaluation, curve) if curve is not None and row["kl.mean"] is not None else {})
@@ -321,8 +316,7 @@ def report(means: list[dict]) -> str:
         return f"{value * scale:.{digits}f}{spread}"
 
     header = ["series", "point", "seeds", "KL (nats)", *(f"{s} positive %" for s in rates),
-              *(f"{s} share of the optimum's gain" for s in shares), "optimum reliable",
-              "share of the optimum's objective gain"]
+              *(f"{s} share of the optimum's gain" for s in shares), "optimum reliable", "objective share"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in means:
         if row["series"] == OPTIMUM and row["point"] != REFERENCE and not optimum.round_beta(float(row["point"][4:])):
@@ -333,7 +327,7 @@ def report(means: list[dict]) -> str:
             cell(row, "kl.mean", digits=2), *(cell(row, key, 100) for key in rates.values()),
             *(cell(row, key, digits=2) for key in shares.values()),
             "" if reliable is None or pd.isna(reliable) else ("yes" if reliable >= 1 else "no"),
-            cell(row, "optimum.objective_fraction", digits=2)]) + " |")
+            cell(row, OBJECTIVE[0], digits=2)]) + " |")
     return "\n".join(lines) + "\n"
 
 
