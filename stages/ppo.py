@@ -198,6 +198,8 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
     chunk = cfg.checkpoint_every or CHUNK_STEPS
     # only the main process writes curves: another process's Live would read them while they are being written
     live = open_curves(outputs[PPO_CURVES], resume=found is not None) if is_main else None
+    if is_main and probe is None:
+        empty_objective_curve(outputs[PPO_CURVES])
     step = first  # the step a Ctrl-C names
     said_empty = False  # every response of a batch empty is said once: it would repeat at every step
     with live or contextlib.nullcontext(), interrupted_at(lambda: step):
@@ -239,9 +241,17 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
     return last
 
 
+def empty_objective_curve(curves: Path) -> None:
+    """Without a probe (no pool, or no one beta), the dvc.yaml plot ``objective``'s file holds its header alone: DVC
+    draws an empty chart where a missing file would be an error."""
+    path = curves / "plots/metrics/optimum/objective_fraction.tsv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("step\tobjective_fraction\n")
+
+
 def log_objective(live: Live, measured: dict, samples: int) -> None:
-    """The objective's share of the optimum's gain and the KL on the pool's prompts, with the samples trained on
-    (the x of the dvc.yaml plot ``objective``), at the curves' current step."""
+    """The objective's share of the optimum's gain and the KL on the pool's prompts, with the samples trained on, at
+    the curves' current step."""
     live.log_metric("optimum/samples", samples, plot=True)
     live.log_metric("optimum/kl", measured["optimum.objective_kl"], plot=True)
     fraction = measured["optimum.objective_fraction"]

@@ -216,7 +216,8 @@ def test_method_dpo_on_sampled_pairs_through_dvc(project: Path, imdb_dir: Path, 
 
     assert ran_stages(dvc(project, "repro")) == set(), "nothing is sampled or trained again"
     # evaluate (and dpo, after new pairs) follow once the outputs they read change
-    for updates, changed in [({"dpo.beta": 0.5}, {"dpo"}),  # the reference's log-probs are kept
+    # the reference's log-probs are kept; evaluate measures the objective at dpo.beta
+    for updates, changed in [({"dpo.beta": 0.5}, {"dpo", "evaluate"}),
                              ({"dpo.max_length": 20}, {"ref_logprobs", "dpo"}),
                              ({"dpo.samples_per_prompt": 3}, {"sample_pairs"}),
                              ({"method": "ppo"}, {"ppo", "sample_pairs", "ref_logprobs", "dpo", "evaluate"}),

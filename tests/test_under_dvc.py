@@ -32,16 +32,18 @@ FINISHED = ("models/policy/model.safetensors", "data/rollouts/steps-000000-00000
 
 
 def committed(project: Path, **updates: object) -> Path:
-    """The ppo project with ``updates`` committed, for DVC to run ppo alone (``-s``); sft and reward are off, so their
-    outputs are their markers."""
+    """The ppo project with ``updates`` committed, for DVC to run ppo alone (``-s``); sft, reward and the optimum are
+    off, so their outputs are their markers."""
     set_params(project, **updates)
-    for model in ("sft", "reward"):
-        (project / "models" / model).mkdir(parents=True)
-        (project / "models" / model / "DISABLED").write_text(f"{model} is off\n")
+    for output in ("models/sft", "models/reward"):
+        (project / output).mkdir(parents=True)
+        (project / output / "DISABLED").write_text(f"{output} is off\n")
     env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t"}
     subprocess.run(["git", "add", "-A"], cwd=project, check=True, env=env)
     subprocess.run(["git", "commit", "-qm", "tiny ppo"], cwd=project, check=True, env=env)
+    (project / "data/optimum").mkdir(parents=True)  # a DVC output, which git must not track (models/ it ignores)
+    (project / "data/optimum/DISABLED").write_text("optimum is off\n")
     return project
 
 
@@ -78,7 +80,7 @@ def test_a_second_exp_run_in_the_workspace_leaves_no_run_recorded_with_its_param
     """While DVC runs ppo (its repository lock released), ``dvc exp run -S`` writes its value into params.yaml and
     fails on DVC's lock of ppo's outputs; the first run, its params changed under it, records nothing; with them
     restored, ``dvc repro`` ends the run at once from its last checkpoint and records it with its own params."""
-    inputs = ("data/prompts", "models/sft", "models/reward")
+    inputs = ("data/prompts", "data/optimum", "models/sft", "models/reward")
     for name in inputs:
         shutil.copytree(long_ppo / name, tmp_path / name)
     set_params(long_ppo, **{"ppo.learning_rate": 1e-4})
