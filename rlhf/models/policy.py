@@ -43,8 +43,8 @@ class PolicyWithValueHead(nn.Module):
                  reward_model: PreTrainedModel | None = None) -> None:
         super().__init__()
         self.lm, self.detached = lm, value_model == "detached"
-        self.critic = {"separate": lambda: copy.deepcopy(lm.base_model),
-                       "reward": lambda: reward_model.base_model}.get(value_model, lambda: None)()
+        self.critic = (copy.deepcopy(lm.base_model) if value_model == "separate"
+                       else reward_model.base_model if value_model == "reward" else None)
         hidden = (self.critic or lm).config.hidden_size
         self.v_head = nn.Linear(hidden, 1) if value_model is not None else None
         if self.v_head is not None:
