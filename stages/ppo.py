@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf.pipeline.cli import run_stage
-from rlhf.pipeline.errors import DataError, ModelError, TrainingError, interrupted_at
+from rlhf.pipeline.errors import DataError, ModelError, ParamsError, TrainingError, interrupted_at
 from rlhf.pipeline.io import DISABLED_MARKER, StagedOutputs, write_disabled, write_json
 from rlhf.pipeline.params import InitialPolicy, Params, initial_policy, load_params, reward_model
 from rlhf.pipeline.paths import EVAL_PROMPTS, POLICY_DIR, PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS
@@ -96,6 +96,7 @@ def main() -> None:
         log.info("ppo: advantage_estimator %s ignores %s", cfg.advantage_estimator, ", ".join(cfg.unused_keys))
     initial, reward = initial_policy(params), reward_model(params)
     accelerator = Accelerator(cpu=pick_device().type == "cpu")
+    check_launch(cfg.shard, accelerator)
     # only the main process writes outputs
     staged = StagedOutputs.of(STAGE) if accelerator.is_main_process else contextlib.nullcontext()
     with staged as outputs:
@@ -118,7 +119,7 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
     from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
     from rlhf.models.reward_functions import load_functions
     from rlhf.models.scorers import make_reward_scorer
-    from rlhf.train import checkpoint
+    from rlhf.train import checkpoint, sharding
     from rlhf.train.batches import ShuffledBatches
     from rlhf.train.ppo_checkpoint import find_checkpoint
     from rlhf.train.ppo_trainer import PPOTrainer
@@ -166,8 +167,10 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
     with outputs.steps() if is_main else contextlib.nullcontext(), SystemUse(device) as system:
         last = train(trainer, prompts, order, ckpt, found, accelerator, outputs, probe)
 
+    # sharded: every process takes part in gathering the weights, which the main one writes
+    whole = sharding.full_state_dict(trainer.policy) if trainer.sharded else None
     if is_main:
-        save_policy(trainer.policy, tokenizer, outputs[POLICY_DIR])
+        save_policy(trainer.policy, tokenizer, outputs[POLICY_DIR], whole)
         # the training time of every step (those before a resume too), every process's samples, the last objective
         seconds = time.perf_counter() - start
         samples = cfg.steps * cfg.batch_size * accelerator.num_processes
@@ -179,6 +182,20 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
         write_json({"ppo": summary}, outputs[PPO_METRICS])
         system.write(outputs[PPO_SYSTEM])
         log.info("ppo: %s", summary)
+
+
+def check_launch(shard: bool, accelerator: Accelerator) -> None:
+    """Refuse, before any model loads, a launch that contradicts ppo.shard: sharding in a single process, or
+    accelerate's own FSDP or DeepSpeed (its config or flags), which would wrap the models a second way."""
+    from accelerate.utils import DistributedType
+
+    if shard and accelerator.num_processes == 1:
+        raise ParamsError("ppo.shard: true, but the stage runs as one process: launch it as several (torchrun "
+                          "--nproc_per_node N, accelerate launch --num_processes N: docs/gpu.md) or set it to false",
+                          "ppo.shard")
+    if (kind := accelerator.distributed_type) in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ParamsError(f"ppo.shard: the launcher turns on accelerate's {kind.value}, which this stage does not "
+                          "run: launch without it (accelerate config) and shard with ppo.shard: true", "ppo.shard")
 
 
 def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpointing | None,
@@ -229,7 +246,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                 bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
             if (step + 1) % chunk == 0 or step + 1 == cfg.steps:
                 if probe is not None:  # every process: a sharded policy's forward needs them all
-                    with trainer.autocast():
+                    with trainer.autocast(), trainer.whole(trainer.policy):
                         measured = probe.measure(trainer.policy.lm, trainer.reference)
                     if is_main:
                         log_objective(live, measured, (step + 1) * cfg.batch_size * accelerator.num_processes)

@@ -292,13 +292,15 @@ def context_size(lm: PreTrainedModel) -> int:
 
 
 def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path,
-                    extra: Callable[[Path], None] | None = None) -> None:
-    """``folder``, replaced in one rename: the model and its tokenizer, loadable by from_pretrained, and whatever
-    ``extra(tmp)`` writes beside them. LoRA adapters are merged into the weights first, in ``model`` itself: saved
-    unmerged, their base layers' weights would be written under names from_pretrained does not know."""
+                    extra: Callable[[Path], None] | None = None,
+                    state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """``folder``, replaced in one rename: the model (or its ``state_dict``) and its tokenizer, loadable by
+    from_pretrained, and whatever ``extra(tmp)`` writes beside them. LoRA adapters are merged into the weights first,
+    in ``model`` itself: saved unmerged, their base layers' weights would be written under names from_pretrained does
+    not know."""
     merge_adapters(model)
     with atomic_path(folder) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         if extra is not None:
             extra(tmp)

@@ -69,20 +69,23 @@ class PolicyWithValueHead(nn.Module):
             values = self.v_head(hidden.float()).squeeze(-1)
         return logits, values
 
-    def save_value_head(self, folder: Path) -> None:
-        """``folder``/value_head.safetensors: the value head (and separate critic); nothing without a value head."""
+    def save_value_head(self, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """``folder``/value_head.safetensors: the value head (and separate critic) of ``state`` (this module's state
+        dict, by default its own); nothing without a value head."""
         if self.v_head is None:
             return
-        state = {f"v_head.{k}": v for k, v in self.v_head.state_dict().items()}
-        if self.critic is not None:
-            state |= {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
-        save_file({k: v.contiguous() for k, v in state.items()}, folder / VALUE_HEAD_FILE)
+        state = self.state_dict() if state is None else state
+        head = {k: v.contiguous() for k, v in state.items() if k.startswith(("v_head.", "critic."))}
+        save_file(head, folder / VALUE_HEAD_FILE)
 
 
-def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, folder: Path,
+                state: dict[str, torch.Tensor] | None = None) -> None:
     """``folder``, replaced in one rename: the LM loadable by AutoModelForCausalLM, its tokenizer, and the value head
-    (if any) beside them."""
-    save_pretrained(policy.lm, tokenizer, folder, policy.save_value_head)
+    (if any) beside them. ``state``: the policy's state dict to write instead of its own (a sharded run's, gathered
+    whole)."""
+    lm_state = None if state is None else {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+    save_pretrained(policy.lm, tokenizer, folder, lambda tmp: policy.save_value_head(tmp, state), lm_state)
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -107,6 +107,12 @@ class PpoParams(Section):
     steps (or all its steps, if fewer) are all skipped stops there: its policy, never updated, would go on scoring
     NaN/inf."""
 
+    shard: bool
+    """Shard the policy, its value head or critic and the reference over the launcher's processes (FSDP2's
+    fully_shard, a unit per transformer block): each process holds 1/N of the weights, gradients and optimizer state
+    (docs/gpu.md). Needs several processes (torchrun or accelerate launch); false: each process holds a whole copy
+    (data-parallel)."""
+
     @model_validator(mode="after")
     def _rules(self) -> PpoParams:
         at_most(self, "response_min_tokens", "response_max_tokens", "ppo")

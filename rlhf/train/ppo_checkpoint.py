@@ -17,7 +17,8 @@ from rlhf.models.policy import PolicyWithValueHead
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS, checkpoint_dir, staging_path
-from rlhf.train import checkpoint, rng
+from rlhf.pipeline.io import remove
+from rlhf.train import checkpoint, rng, sharding
 from rlhf.train.batches import Batches
 from rlhf.train.ppo_trainer import PPOTrainer
 
@@ -50,20 +51,27 @@ class Checkpointing:
 
     def save(self, step: int, trainer: PPOTrainer, order: Batches, live_step: int, last: dict[str, float],
              accelerator: Accelerator) -> None:
-        """Every process contributes its RNG states; the main process writes."""
+        """Every process contributes its RNG states (and, sharded, writes its shards); the main process writes the
+        rest."""
         from accelerate.utils import gather_object
 
         states = [rng.rng_states({"length": trainer.length_generator})]
         if accelerator.num_processes > 1:
             states = gather_object(states)
+        shards = self.folder / f".{checkpoint.SHARDED_DIR}-{step:06d}.tmp" if trainer.sharded else None
+        if shards is not None:
+            if accelerator.is_main_process:  # what a killed save left
+                remove(shards)
+            accelerator.wait_for_everyone()
+            sharding.save(shards, trainer.policy, trainer.optimizer)  # returns once every process has written
         if not accelerator.is_main_process:
             return
         state = trainer.state_dict()
         optimizer_state = state.pop("optimizer")
-        checkpoint.save(self.folder, step, trainer.policy, optimizer_state,
+        checkpoint.save(self.folder, step, None if shards else trainer.policy, optimizer_state,
                         {"fingerprint": self.fingerprint, "trainer": state, "data": order.state_dict(), "rng": states,
                          "live_step": live_step, "last_stats": last, "seconds": time.perf_counter() - self.start},
-                        self.files)
+                        self.files, shards)
 
     def stop_if_due(self, step: int, accelerator: Accelerator) -> None:
         """After a save: stop, every process alike, where any has a reason to (``checkpoint.stop_reason``: its dvc
@@ -80,8 +88,12 @@ class Checkpointing:
                 accelerator: Accelerator) -> None:
         if accelerator.is_main_process:
             checkpoint.restore_files(found, self.files)
-        checkpoint.load_weights(found, trainer.policy)
-        trainer.load_state_dict({**found.state["trainer"], "optimizer": checkpoint.load_optimizer_state(found)})
+        if trainer.sharded:
+            sharding.load(found.path / checkpoint.SHARDED_DIR, trainer.policy, trainer.optimizer)
+            trainer.load_state_dict(found.state["trainer"])
+        else:
+            checkpoint.load_weights(found, trainer.policy)
+            trainer.load_state_dict({**found.state["trainer"], "optimizer": checkpoint.load_optimizer_state(found)})
         order.load_state_dict(found.state["data"])
         rng.set_rng_states(found.state["rng"][accelerator.process_index], {"length": trainer.length_generator})
         self.start -= found.state["seconds"]

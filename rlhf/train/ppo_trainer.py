@@ -1,7 +1,8 @@
 """One PPO iteration for a causal LM, narrated in the order of the algorithm; each step calls into rlhf.rl.ppo.
 
 Device-agnostic: tensors live on ``device``; an optional ``accelerate.Accelerator`` adds data parallelism (each
-process samples its own batch, gradients are averaged, the KL controller sees the mean over processes).
+process samples its own batch, gradients are averaged, the KL controller sees the mean over processes), with
+ppo.shard over models sharded across the processes (rlhf/train/sharding.py) instead of whole copies.
 ``PPOTrainer.step`` is the one entry point, for the ppo stage, the tests and the benchmark alike.
 """
 
@@ -26,7 +27,7 @@ from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl import ppo
 from rlhf.rl.advantages import reward_scale
 from rlhf.rl.estimators import ESTIMATORS
-from rlhf.train import ppo_update
+from rlhf.train import ppo_update, sharding
 from rlhf.train.fit import compiles, lr_factor
 
 if TYPE_CHECKING:
@@ -80,6 +81,13 @@ class PPOTrainer:
     def __post_init__(self) -> None:
         cfg = self.cfg
         self.compiled = compiles(cfg.compile, self.device, "ppo.compile", processes=self.accelerator is not None)
+        self.sharded = self.accelerator is not None and cfg.shard
+        if self.sharded:  # before the optimizer, which then holds each process's shards
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.device.type, (self.accelerator.num_processes,))
+            for model in filter(None, (self.policy, self.ref_policy)):
+                sharding.shard(model, mesh)
         # fused: one kernel over all parameters instead of a dozen passes per step; it also drops a step on the
         # device (ppo_update). The learning rate lives on the device: the step reads it there
         self.trained = [p for p in self.policy.parameters() if p.requires_grad]  # every one but a LoRA run's base
@@ -88,7 +96,7 @@ class PPOTrainer:
         # the update's forward and backward go through this one: DDP-wrapped by accelerate so that gradients are
         # averaged over processes, else the policy itself (sampling and saving use the unwrapped policy)
         self.wrapped_policy: torch.nn.Module = self.policy
-        if self.accelerator is not None:
+        if self.accelerator is not None and not self.sharded:
             self.wrapped_policy, self.optimizer = self.accelerator.prepare(self.policy, self.optimizer)
         self.kl_ctl = (ppo.AdaptiveKLController(cfg.init_kl_coef, cfg.target, cfg.horizon) if cfg.adap_kl_ctrl
                        else ppo.FixedKLController(cfg.init_kl_coef))
@@ -157,8 +165,10 @@ class PPOTrainer:
         lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
                                    self.length_generator)
         query_ids, queries, lengths = (repeat_each(x, cfg.samples_per_prompt) for x in (query_ids, queries, lengths))
-        with self.autocast():
-            samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling)
+        # sharded: a CUDA graph would hold the addresses of weights that are gathered afresh at every rollout
+        with self.autocast(), self.whole(self.policy):
+            samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling,
+                               cuda_graph=not self.sharded)
         if self.compiled:  # rollout and update alike see the compiled step's few shapes
             samples = ppo_update.static_layout(samples, cfg.response_max_tokens, self.tokenizer.pad_token_id)
         return samples, queries, decode_responses(self.tokenizer, samples)
@@ -242,14 +252,20 @@ class PPOTrainer:
         losses = stats.column(group, "loss/total")
         # every process must agree, or their weights would part: skipped only where all processes skipped
         skipped = self.mean_over_processes(stats.column(group, "policy/skipped").min()) == 1
-        if self.accelerator is not None and self.cfg.max_grad_norm is not None:  # its clipping knows its sharding
+        if self.sharded:
+            norm = sharding.clip_gradients(self.trained, self.cfg.max_grad_norm)
+            dropped = ppo_update.drop_step(norm, losses, skipped)
+        elif self.accelerator is not None and self.cfg.max_grad_norm is not None:  # its clipping knows its sharding
             norm = self.accelerator.clip_grad_norm_(self.trained, self.cfg.max_grad_norm)
             dropped = ppo_update.drop_step(norm, losses, skipped)
         else:
             norm, dropped = self.clip_fn(self.trained, self.cfg.max_grad_norm, losses, skipped)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wraps torch's
         optimizer.found_inf = dropped.float()
-        self.optimizer.step()
+        if self.sharded:
+            sharding.optimizer_step(self.optimizer)
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.compiled)
         return norm, dropped
 
@@ -265,16 +281,26 @@ class PPOTrainer:
         return lr
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.accelerator is not None:
+        if self.accelerator is not None and not self.sharded:
             self.accelerator.backward(loss)
         else:
             loss.backward()
 
-    def reference(self) -> contextlib.AbstractContextManager[PreTrainedModel]:
-        """The frozen reference: ``ref_policy``, or the policy's LM with its adapters off inside the block."""
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[PreTrainedModel]:
+        """The frozen reference: ``ref_policy``, or the policy's LM with its adapters off inside the block (whole
+        there when sharded)."""
         if self.ref_policy is not None:
-            return contextlib.nullcontext(self.ref_policy)
-        return adapters_disabled(self.policy.lm)
+            with self.whole(self.ref_policy):
+                yield self.ref_policy
+        else:
+            with self.whole(self.policy), adapters_disabled(self.policy.lm) as lm:
+                yield lm
+
+    def whole(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """``model``'s weights gathered inside the block when sharded (``sharding.gathered``): for what reads the
+        LM outside the policy's forward (decoding, the reference's forward)."""
+        return sharding.gathered(model) if self.sharded else contextlib.nullcontext()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)
@@ -307,11 +333,13 @@ class PPOTrainer:
 
     def state_dict(self) -> dict[str, object]:
         """What a resumed run needs besides the weights and the RNG states; JSON-ready except ``optimizer``."""
-        return {"optimizer": self.optimizer.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+        # sharded, the optimizer's state is each process's shards, which the checkpoint saves through DCP
+        return {"optimizer": None if self.sharded else self.optimizer.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
                 "score_moments": self.score_moments.state_dict(), "skipped_batches": self.skipped_batches}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:  # the step reads its learning rate on the device
             group["lr"] = torch.as_tensor(group["lr"], device=self.device)
         self.kl_ctl.load_state_dict(state["kl_ctl"])

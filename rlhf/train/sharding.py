@@ -1,0 +1,105 @@
+"""One run over several processes with its models sharded: PyTorch's FSDP2 (``fully_shard``), torch's distributed
+checkpoint (DCP) for what a resumed run reads back.
+
+Each transformer block (the classes a Hugging Face model names in ``_no_split_modules``) is one FSDP unit, the rest
+of a model (embeddings, final norm, the tied LM head, the value head) its root's: each process holds 1/N of every
+weight, gradient and optimizer moment, and a block's weights are gathered for its forward and backward alone.
+Gloo on a CPU, NCCL on GPUs: the same code, its backend chosen by the launcher's process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_state_dict)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+# the trained weights alone: a LoRA run's frozen base is its input, as in an unsharded checkpoint
+CHECKPOINT_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of every Hugging Face model inside ``model``."""
+    names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def shard(model: nn.Module, mesh: torch.distributed.device_mesh.DeviceMesh) -> None:
+    """``fully_shard`` each block of ``model``, then ``model`` itself (the root), in place."""
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # FSDP2 takes the first module whose forward runs as its root; the rollout calls a block's forward before the
+    # root's (the LM body, outside the policy's forward), so the root is fixed here
+    model._get_fsdp_state()._lazy_init()
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Every weight of ``model`` whole inside the block, gathered once: token-by-token decoding then runs no
+    collective, which it could not (each process samples its own number of tokens), and the decoder reads the
+    weights directly. Sharded again on leaving; inside another ``gathered`` of the same weights, a no-op."""
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        yield
+        return
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+        if unit is not model:  # the root keeps its weights after its forward anyway (FSDP2's choice for a root)
+            unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            if unit is not model:
+                unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
+
+
+def clip_gradients(params: list[nn.Parameter], max_grad_norm: float | None) -> torch.Tensor:
+    """Scale the sharded gradients of ``params`` to a global L2 norm of at most ``max_grad_norm`` (None: unscaled):
+    their norm before, a plain tensor every process holds alike."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    if max_grad_norm is not None:
+        with implicit_replication():  # the coefficient is one number every shard is scaled by
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+    return norm
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's step on sharded weights, its learning rate and ``found_inf`` plain tensors."""
+    with implicit_replication():
+        optimizer.step()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s whole state dict on the main process's CPU ({} on the others); every process must call it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every process writes its shards of the trained weights and their optimizer state to ``folder`` (DCP)."""
+    import torch.distributed.checkpoint as dcp
+
+    weights, optimizer_state = get_state_dict(model, optimizer, options=CHECKPOINT_OPTIONS)
+    dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=folder)
+
+
+def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``save``'s shards back into ``model`` and ``optimizer``, resharded to this run's processes."""
+    import torch.distributed.checkpoint as dcp
+
+    weights, optimizer_state = get_state_dict(model, optimizer, options=CHECKPOINT_OPTIONS)
+    state = {"model": weights, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=CHECKPOINT_OPTIONS)
