@@ -24,7 +24,8 @@ in rlhf/rl/estimators.py, listed below); each step draws ppo.batch_size / ppo.sa
 each samples_per_prompt times.
 
 Multi-process: ``accelerate launch --num_processes N -m stages.ppo`` on GPUs, ``torchrun --nproc_per_node N -m
-stages.ppo`` on CPU (each process samples ppo.batch_size responses).
+stages.ppo`` on CPU (each process samples ppo.batch_size responses); with ppo.shard the models are sharded over the
+processes (FSDP2, rlhf/train/sharding.py), else each holds a whole copy (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -175,6 +176,8 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
         seconds = time.perf_counter() - start
         samples = cfg.steps * cfg.batch_size * accelerator.num_processes
         summary = {"trained": True, "processes": accelerator.num_processes, "samples": samples,
+                   # the main process's weights and optimizer state: a 1/N shard of them under ppo.shard
+                   "weights_and_optimizer_bytes": sharding.local_bytes(trainer.policy, trainer.optimizer),
                    "seconds": round(seconds, 1),
                    "skipped_batches": trainer.skipped_batches,
                    "throughput/samples_per_s": round(samples / seconds, 2),

@@ -14,6 +14,8 @@ from conftest import ROOT, error_line, set_params
 from helpers import run
 from safetensors.torch import load_file
 
+from bench.sizing import optimizer_held_bytes
+
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # accelerate's CPU launcher starts a single process
 SHARDED = {"ppo.shard": True, "ppo.max_grad_norm": 1.0}  # clipping too: the norm is gathered over the shards
 
@@ -40,3 +42,89 @@ def test_sharded_run_trains_the_data_parallel_runs_weights(ppo_project: Path) ->
     assert sharded.keys() == data_parallel.keys()
     for name, weight in sharded.items():
         torch.testing.assert_close(weight, data_parallel[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_each_process_holds_half_and_a_killed_run_resumes(ppo_project: Path) -> None:
+    set_params(ppo_project, **{"ppo.checkpoint_every": 0})
+    assert torchrun(ppo_project).returncode == 0
+    replicated = json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]["weights_and_optimizer_bytes"]
+    set_params(ppo_project, **SHARDED, **{"ppo.checkpoint_every": 2})
+    result = torchrun(ppo_project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    held = json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]["weights_and_optimizer_bytes"]
+    # half of every weight and moment, give or take the rows an odd dimension leaves to one process
+    assert 0.4 < held / replicated < 0.65, (held, replicated)
+    uninterrupted = weights(ppo_project)
+    # bench/sizing.py's count of them: 3 fp32 copies (weight, 2 AdamW moments) of every trained parameter
+    trained = sum(weight.numel() for weight in uninterrupted.values())
+    assert replicated == pytest.approx(optimizer_held_bytes(trained), rel=0.03)
+
+    # rank 1 killed at its third step: the checkpoint after the second (every rank's shards) is kept
+    (ppo_project / "models/policy/model.safetensors").unlink()
+    for old in (ppo_project / "data/checkpoints/ppo").iterdir():  # the finished run's: it would end at once
+        old.rename(old.with_name(".gone"))
+    result = run(ppo_project, TORCHRUN, "--nproc_per_node", "2", str(ROOT / "tests/fault.py"), "ppo", "--where",
+                 r"ppo_trainer\.py:PPOTrainer\.step$", "--at", "3", "--kind", "kill", "--rank", "1")
+    assert result.returncode != 0
+    assert (ppo_project / "data/checkpoints/ppo/step-000001/sharded").is_dir()
+    result = torchrun(ppo_project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming after step 1" in result.stderr
+    resumed = weights(ppo_project)
+    for name, weight in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_two_machines_over_a_rendezvous(ppo_project: Path) -> None:
+    """Two "machines" of one process each, meeting at a rendezvous on 127.0.0.1, as docs/gpu.md's multi-node
+    command runs on each node."""
+    import subprocess
+
+    from conftest import project_env
+
+    set_params(ppo_project, **SHARDED, **{"ppo.checkpoint_every": 0, "ppo.steps": 2})
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               endpoint, "--rdzv-id", "ppo", "-m", "stages.ppo"]
+    nodes = [subprocess.Popen(command, cwd=ppo_project, env=project_env(ppo_project), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+    assert json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]["processes"] == 2
+
+
+def test_sharding_in_one_process_is_refused(ppo_project: Path) -> None:
+    set_params(ppo_project, **SHARDED)
+    error_line(run(ppo_project), "ppo.shard", "runs as one process")
+    assert not (ppo_project / "models/policy").exists()
+
+
+def test_sharding_under_lora_is_refused(ppo_project: Path) -> None:
+    set_params(ppo_project, **SHARDED, **{"model.lora.r": 2})
+    error_line(run(ppo_project), "ppo.shard", "model.lora.r > 0")
+
+
+@pytest.mark.slow
+def test_dvc_repro_runs_the_sharded_stage_through_its_launcher(ppo_project: Path) -> None:
+    """``cmd: torchrun ...`` in dvc.yaml, as docs/gpu.md says: DVC records the main process's outputs."""
+    from conftest import dvc
+
+    set_params(ppo_project, **SHARDED, **{"ppo.checkpoint_every": 0, "ppo.steps": 2})
+    for output in ("models/sft", "models/reward", "data/optimum"):  # off: their markers
+        if not (ppo_project / output).exists():
+            (ppo_project / output).mkdir(parents=True)
+            (ppo_project / output / "DISABLED").write_text(f"{output} is off\n")
+    wired = (ppo_project / "dvc.yaml").read_text()
+    (ppo_project / "dvc.yaml").write_text(wired.replace("cmd: python -m stages.ppo",
+                                                        "cmd: torchrun --nproc_per_node 2 -m stages.ppo"))
+    dvc(ppo_project, "repro", "-s", "ppo")
+    assert json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]["processes"] == 2
+    assert "models/policy" in (ppo_project / "dvc.lock").read_text()

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 from rlhf.models.policy import PolicyWithValueHead
 from rlhf.pipeline.errors import PipelineError
+from rlhf.pipeline.io import remove
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS, checkpoint_dir, staging_path
-from rlhf.pipeline.io import remove
 from rlhf.train import checkpoint, rng, sharding
 from rlhf.train.batches import Batches
 from rlhf.train.ppo_trainer import PPOTrainer

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
@@ -79,11 +79,27 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
 
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of ``model``'s weights and ``optimizer``'s state this process holds (its shards, when sharded)."""
+    def held(x: torch.Tensor) -> int:
+        local = x.to_local() if isinstance(x, DTensor) else x
+        return local.numel() * local.element_size()
+
+    moments = [x for state in optimizer.state.values() for x in state.values() if isinstance(x, torch.Tensor)]
+    return sum(map(held, [*model.parameters(), *moments]))
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s whole state dict on the main process's CPU ({} on the others); every process must call it."""
+    """``model``'s whole state dict on the main process's CPU ({} on the others); every process must call it. A tied
+    weight (GPT-2's LM head, its embedding) comes once, under its first name, as an unsharded model saves it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            state.pop(name, None)
+    return state
 
 
 def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
