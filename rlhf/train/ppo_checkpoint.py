@@ -90,7 +90,7 @@ class Checkpointing:
             checkpoint.restore_files(found, self.files)
         if trainer.sharded:
             sharding.load(found.path / checkpoint.SHARDED_DIR, trainer.policy, trainer.optimizer)
-            trainer.load_state_dict(found.state["trainer"])
+            trainer.load_state_dict({**found.state["trainer"], "optimizer": None})
         else:
             checkpoint.load_weights(found, trainer.policy)
             trainer.load_state_dict({**found.state["trainer"], "optimizer": checkpoint.load_optimizer_state(found)})
