@@ -101,7 +101,7 @@ def test_sharding_in_one_process_is_refused(ppo_project: Path) -> None:
 
 def test_sharding_under_lora_is_refused(ppo_project: Path) -> None:
     set_params(ppo_project, **SHARDED, **{"model.lora.r": 2})
-    error_line(run(ppo_project), "ppo.shard", "model.lora.r > 0")
+    error_line(run(ppo_project), "params.yaml", "ppo.shard: must be false with model.lora.r > 0")
 
 
 @pytest.mark.slow

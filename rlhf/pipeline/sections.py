@@ -320,8 +320,8 @@ class Params(Section):
             raise Rule("ppo.value_model", "must be 'shared' with model.lora.r > 0 (a separate critic would hold a "
                                           "second full copy of the weights, what LoRA saves)", self.ppo.value_model)
         if self.model.lora.r and self.ppo.shard:
-            raise Rule("ppo.shard", "is not supported with model.lora.r > 0 (the adapters' merge into the sharded "
-                                    "weights at the end is not built; LoRA keeps the trained state small anyway)",
+            raise Rule("ppo.shard", "must be false with model.lora.r > 0 (merging the adapters into sharded weights "
+                                    "is not built; LoRA keeps the trained state small anyway)",
                        self.ppo.shard)
         if self.ppo.critic == "reward" and not reward.train:
             raise Rule("ppo.value_model", "'reward' needs reward.train: true (the critic starts from models/reward)",
