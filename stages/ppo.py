@@ -209,6 +209,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
     the last step's stats."""
     from tqdm import tqdm
 
+    from rlhf.train import sharding
     from rlhf.train.curves import open_curves  # dvclive's import is slow: only where curves are written
     from rlhf.train.rollout_log import RolloutWriter, rollout_rows
 
@@ -249,7 +250,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                 bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
             if (step + 1) % chunk == 0 or step + 1 == cfg.steps:
                 if probe is not None:  # every process: a sharded policy's forward needs them all
-                    with trainer.autocast(), trainer.whole(trainer.policy):
+                    with trainer.autocast(), sharding.gathered(trainer.policy):
                         measured = probe.measure(trainer.policy.lm, trainer.reference)
                     if is_main:
                         log_objective(live, measured, (step + 1) * cfg.batch_size * accelerator.num_processes)

@@ -65,7 +65,7 @@ def test_sharded_run_against_the_data_parallel_one_and_after_a_kill(ppo_project:
     result = run(ppo_project, TORCHRUN, "--nproc_per_node", "2", str(ROOT / "tests/fault.py"), "ppo", "--where",
                  r"ppo_trainer\.py:PPOTrainer\.step$", "--at", "3", "--kind", "kill", "--rank", "1")
     assert result.returncode != 0
-    assert (ppo_project / "data/checkpoints/ppo/step-000001/sharded").is_dir()
+    assert (ppo_project / "data/checkpoints/ppo/step-000001/.metadata").is_file()  # every rank's shards, DCP's
     result = torchrun(ppo_project)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming after step 1" in result.stderr

@@ -15,9 +15,7 @@ next checkpoint (``stop_if_dvc_gone``).
 Layout of a checkpoint:
     model.safetensors   the trained weights of the module (``trained_weights``: policy, and value head and critic
                         where trained; under LoRA the adapters, not the frozen base, which is the run's input)
-    optimizer.pt        the optimizer's state (torch.save; loaded with weights_only=True)
-    sharded/            instead of those two in a sharded run (ppo.shard): every process's shards of both, as torch's
-                        distributed checkpoint (DCP) writes them (rlhf/train/sharding.py)
+    optimizer.pt        the optimizer's state (torch.save, loaded weights_only); ppo.shard: both as DCP's shards
     state.json          step, fingerprint, the trainer's scalars, every RNG state (tensors as base64), the manifest
     files/<name>/       copies of the staged outputs written so far (rollout log chunks, curves), restored on resume
 """
@@ -52,7 +50,6 @@ log = logging.getLogger(__name__)
 STATE_FILE = "state.json"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
-SHARDED_DIR = "sharded"
 FILES_DIR = "files"
 MANIFEST = "manifest"  # state.json's {file: {"size": bytes, HASH: hex}} of everything saved before it
 # a 128-bit hash of each file's content against damage, not against a hand that could rewrite state.json as well:
@@ -148,14 +145,13 @@ def check_room_for_checkpoints(folder: Path, needed: int, key: str, fingerprint:
 def save(folder: Path, step: int, model: torch.nn.Module | None, optimizer_state: dict[str, Any] | None,
          state: dict[str, Any], files: dict[str, Path], sharded: Path | None = None) -> Path:
     """Write checkpoint ``step`` atomically (temp sibling, then rename), state.json last with the size and hash of
-    every file written before it, then remove the older ones. ``sharded``: a folder of weights and optimizer state
-    (DCP's, written by every process), moved in as SHARDED_DIR instead of ``model``'s and ``optimizer_state``."""
+    every file written before it, then remove the older ones. ``sharded``: a DCP folder, the checkpoint's instead."""
     final = folder / f"{CHECKPOINT_PREFIX}{step:06d}"
     with atomic_path(final) as tmp:
-        tmp.mkdir()
-        if sharded is not None:
-            os.replace(sharded, tmp / SHARDED_DIR)
+        if sharded is not None:  # every process's shards of the weights and the optimizer's state
+            os.replace(sharded, tmp)
         else:
+            tmp.mkdir()
             save_file({name: p.detach().contiguous() for name, p in trained_weights(model).items()},
                       str(tmp / WEIGHTS_FILE))
             torch.save(optimizer_state, tmp / OPTIMIZER_FILE)

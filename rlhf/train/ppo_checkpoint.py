@@ -17,7 +17,14 @@ from rlhf.models.policy import PolicyWithValueHead
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.io import remove
 from rlhf.pipeline.params import Params
-from rlhf.pipeline.paths import PPO_CURVES, ROLLOUTS_DIR, TRAIN_PROMPTS, checkpoint_dir, staging_path
+from rlhf.pipeline.paths import (
+    CHECKPOINT_PREFIX,
+    PPO_CURVES,
+    ROLLOUTS_DIR,
+    TRAIN_PROMPTS,
+    checkpoint_dir,
+    staging_path,
+)
 from rlhf.train import checkpoint, rng, sharding
 from rlhf.train.batches import Batches
 from rlhf.train.ppo_trainer import PPOTrainer
@@ -58,7 +65,8 @@ class Checkpointing:
         states = [rng.rng_states({"length": trainer.length_generator})]
         if accelerator.num_processes > 1:
             states = gather_object(states)
-        shards = self.folder / f".{checkpoint.SHARDED_DIR}-{step:06d}.tmp" if trainer.sharded else None
+        # named like a killed save's leftovers, which the next find removes
+        shards = self.folder / f".{CHECKPOINT_PREFIX}{step:06d}.shards.tmp" if trainer.sharded else None
         if shards is not None:
             if accelerator.is_main_process:  # what a killed save left
                 remove(shards)
@@ -89,7 +97,7 @@ class Checkpointing:
         if accelerator.is_main_process:
             checkpoint.restore_files(found, self.files)
         if trainer.sharded:
-            sharding.load(found.path / checkpoint.SHARDED_DIR, trainer.policy, trainer.optimizer)
+            sharding.load(found.path, trainer.policy, trainer.optimizer)
             trainer.load_state_dict({**found.state["trainer"], "optimizer": None})
         else:
             checkpoint.load_weights(found, trainer.policy)

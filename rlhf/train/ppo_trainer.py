@@ -1,8 +1,7 @@
 """One PPO iteration for a causal LM, narrated in the order of the algorithm; each step calls into rlhf.rl.ppo.
 
 Device-agnostic: tensors live on ``device``; an optional ``accelerate.Accelerator`` adds data parallelism (each
-process samples its own batch, gradients are averaged, the KL controller sees the mean over processes), with
-ppo.shard over models sharded across the processes (rlhf/train/sharding.py) instead of whole copies.
+process samples its own batch, gradients are averaged, the KL controller sees the mean over processes).
 ``PPOTrainer.step`` is the one entry point, for the ppo stage, the tests and the benchmark alike.
 """
 
@@ -81,13 +80,9 @@ class PPOTrainer:
     def __post_init__(self) -> None:
         cfg = self.cfg
         self.compiled = compiles(cfg.compile, self.device, "ppo.compile", processes=self.accelerator is not None)
-        self.sharded = self.accelerator is not None and cfg.shard
+        self.sharded = self.accelerator is not None and cfg.shard  # ppo.shard: rlhf/train/sharding.py
         if self.sharded:  # before the optimizer, which then holds each process's shards
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(self.device.type, (self.accelerator.num_processes,))
-            for model in filter(None, (self.policy, self.ref_policy)):
-                sharding.shard(model, mesh)
+            sharding.shard([self.policy, self.ref_policy], self.device, self.accelerator.num_processes)
         # fused: one kernel over all parameters instead of a dozen passes per step; it also drops a step on the
         # device (ppo_update). The learning rate lives on the device: the step reads it there
         self.trained = [p for p in self.policy.parameters() if p.requires_grad]  # every one but a LoRA run's base
@@ -165,10 +160,8 @@ class PPOTrainer:
         lengths = response_lengths(len(query_ids), cfg.response_min_tokens, cfg.response_max_tokens,
                                    self.length_generator)
         query_ids, queries, lengths = (repeat_each(x, cfg.samples_per_prompt) for x in (query_ids, queries, lengths))
-        # sharded: a CUDA graph would hold the addresses of weights that are gathered afresh at every rollout
-        with self.autocast(), self.whole(self.policy):
-            samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling,
-                               cuda_graph=not self.sharded)
+        with self.autocast(), sharding.gathered(self.policy):
+            samples = generate(self.policy.lm, self.tokenizer, query_ids, lengths, self.sampling, not self.sharded)
         if self.compiled:  # rollout and update alike see the compiled step's few shapes
             samples = ppo_update.static_layout(samples, cfg.response_max_tokens, self.tokenizer.pad_token_id)
         return samples, queries, decode_responses(self.tokenizer, samples)
@@ -252,19 +245,15 @@ class PPOTrainer:
         losses = stats.column(group, "loss/total")
         # every process must agree, or their weights would part: skipped only where all processes skipped
         skipped = self.mean_over_processes(stats.column(group, "policy/skipped").min()) == 1
-        if self.sharded:
-            norm = sharding.clip_gradients(self.trained, self.cfg.max_grad_norm)
-            dropped = ppo_update.drop_step(norm, losses, skipped)
-        elif self.accelerator is not None and self.cfg.max_grad_norm is not None:  # its clipping knows its sharding
-            norm = self.accelerator.clip_grad_norm_(self.trained, self.cfg.max_grad_norm)
+        if self.sharded or (self.accelerator is not None and self.cfg.max_grad_norm is not None):
+            clip = sharding.clip_gradients if self.sharded else self.accelerator.clip_grad_norm_  # know the sharding
+            norm = clip(self.trained, self.cfg.max_grad_norm)
             dropped = ppo_update.drop_step(norm, losses, skipped)
         else:
             norm, dropped = self.clip_fn(self.trained, self.cfg.max_grad_norm, losses, skipped)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wraps torch's
         optimizer.found_inf = dropped.float()
-        if self.sharded:
-            sharding.optimizer_step(self.optimizer)
-        else:
+        with sharding.scalars_replicated():
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.compiled)
         return norm, dropped
@@ -288,19 +277,11 @@ class PPOTrainer:
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[PreTrainedModel]:
-        """The frozen reference: ``ref_policy``, or the policy's LM with its adapters off inside the block (whole
-        there when sharded)."""
-        if self.ref_policy is not None:
-            with self.whole(self.ref_policy):
-                yield self.ref_policy
-        else:
-            with self.whole(self.policy), adapters_disabled(self.policy.lm) as lm:
-                yield lm
-
-    def whole(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        """``model``'s weights gathered inside the block when sharded (``sharding.gathered``): for what reads the
-        LM outside the policy's forward (decoding, the reference's forward)."""
-        return sharding.gathered(model) if self.sharded else contextlib.nullcontext()
+        """The frozen reference: ``ref_policy``, or the policy's LM with its adapters off inside the block."""
+        lora = self.ref_policy is None
+        with (sharding.gathered(self.policy if lora else self.ref_policy),
+              adapters_disabled(self.policy.lm) if lora else contextlib.nullcontext(self.ref_policy) as reference):
+            yield reference
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)
@@ -333,7 +314,6 @@ class PPOTrainer:
 
     def state_dict(self) -> dict[str, object]:
         """What a resumed run needs besides the weights and the RNG states; JSON-ready except ``optimizer``."""
-        # sharded, the optimizer's state is each process's shards, which the checkpoint saves through DCP
         return {"optimizer": None if self.sharded else self.optimizer.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
                 "score_moments": self.score_moments.state_dict(), "skipped_batches": self.skipped_batches}
 

@@ -30,21 +30,26 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def shard(model: nn.Module, mesh: torch.distributed.device_mesh.DeviceMesh) -> None:
-    """``fully_shard`` each block of ``model``, then ``model`` itself (the root), in place."""
-    for block in blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    # FSDP2 takes the first module whose forward runs as its root; the rollout calls a block's forward before the
-    # root's (the LM body, outside the policy's forward), so the root is fixed here
-    model._get_fsdp_state()._lazy_init()
+def shard(models: list[nn.Module | None], device: torch.device, processes: int) -> None:
+    """``fully_shard`` each block of each model, then the model itself (the root), in place, over ``processes``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (processes,))
+    for model in filter(None, models):
+        for block in blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        # FSDP2 takes the first module whose forward runs as its root; the rollout calls a block's forward before
+        # the root's (the LM body, outside the policy's forward), so the root is fixed here
+        model._get_fsdp_state()._lazy_init()
 
 
 @contextlib.contextmanager
 def gathered(model: nn.Module) -> Iterator[None]:
     """Every weight of ``model`` whole inside the block, gathered once: token-by-token decoding then runs no
     collective, which it could not (each process samples its own number of tokens), and the decoder reads the
-    weights directly. Sharded again on leaving; inside another ``gathered`` of the same weights, a no-op."""
+    weights directly (sharded, it captures no CUDA graph: one would hold the addresses of weights gathered afresh at
+    every rollout). Sharded again on leaving; a no-op for a model not sharded, or inside another ``gathered``."""
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         yield
         return
@@ -73,10 +78,10 @@ def clip_gradients(params: list[nn.Parameter], max_grad_norm: float | None) -> t
     return norm
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer's step on sharded weights, its learning rate and ``found_inf`` plain tensors."""
-    with implicit_replication():
-        optimizer.step()
+def scalars_replicated() -> contextlib.AbstractContextManager:
+    """Around an optimizer step on sharded weights: its learning rate and ``found_inf`` are plain tensors, the same
+    on every process (no effect on weights not sharded)."""
+    return implicit_replication()
 
 
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
