@@ -120,6 +120,7 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
     from rlhf.models.scorers import make_reward_scorer
     from rlhf.train import checkpoint
     from rlhf.train.batches import ShuffledBatches
+    from rlhf.train.compiled import step_metrics
     from rlhf.train.ppo_checkpoint import find_checkpoint
     from rlhf.train.ppo_trainer import PPOTrainer
     from rlhf.train.rng import seed_everything
@@ -175,7 +176,8 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
                    "seconds": round(seconds, 1),
                    "skipped_batches": trainer.skipped_batches,
                    "throughput/samples_per_s": round(samples / seconds, 2),
-                   "system": system.summary(), **{k: v for k, v in last.items() if k.startswith("objective/")}}
+                   "system": system.summary(), "compile": step_metrics(trainer.compiled_step),
+                   **{k: v for k, v in last.items() if k.startswith("objective/")}}
         write_json({"ppo": summary}, outputs[PPO_METRICS])
         system.write(outputs[PPO_SYSTEM])
         log.info("ppo: %s", summary)
