@@ -20,7 +20,8 @@ from helpers import batch, make_rollout, make_trainer
 from test_sft_reward import CPU, VOCAB, structured_blocks, tiny_params
 
 from rlhf.pipeline.errors import ParamsError
-from rlhf.train import compiled, ppo_trainer, sft
+from rlhf.pipeline.params import defaults
+from rlhf.train import compiled, ppo_checkpoint, ppo_trainer, sft
 from rlhf.train.compiled import CompiledStep, compile_problem, compiles, distance, step_metrics, tolerance
 
 
@@ -170,6 +171,17 @@ def test_under_true_a_wrong_compiled_sft_step_is_one_line_naming_the_key(tokeniz
     with pytest.raises(ParamsError, match=r"^sft.compile: true, but the compiled step differs from the eager step by "
                                           r"[0-9.e+-]+ \(bound [0-9.e+-]+, (fp32|bf16)\); set it to auto or false$"):
         sft_run(params, monkeypatch, True)
+
+
+def test_the_compile_keys_are_not_in_the_checkpoint_fingerprints() -> None:
+    """A run stopped compiled resumes eagerly and the other way (tests/test_resume.py runs it for ppo)."""
+    params = defaults()
+    fingerprints = {"sft": sft.run_fingerprint, "ppo": lambda p: ppo_checkpoint.run_fingerprint(p, [], processes=1)}
+    for section, fingerprint in fingerprints.items():
+        runs = [params.model_copy(update={section: getattr(params, section).model_copy(update=update)})
+                for update in ({"compile": True}, {"compile": False}, {"learning_rate": 0.5})]
+        assert fingerprint(runs[0]) == fingerprint(runs[1]) == fingerprint(params), section
+        assert fingerprint(runs[2]) != fingerprint(params), section
 
 
 def test_a_check_that_finds_nan_gives_the_step_up() -> None:
