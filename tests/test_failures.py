@@ -275,6 +275,24 @@ def test_a_fault_inside_a_stage_is_one_line_and_changes_no_output(
     assert snapshot(project, stage) == previous and leftovers(project, stage) == []
 
 
+@pytest.mark.slow  # Dynamo traces the step before Inductor fails: seconds
+def test_a_compiled_step_that_fails_under_true_is_one_line_and_changes_no_output(
+        stage_project: Callable[[str], Path]) -> None:
+    """Inductor, the real compiler, raises at its first compilation (sft's step: the smallest graph; the PPO update
+    goes through the same check, tests/test_compiled.py): one line naming sft.compile and what to set, no traceback
+    (nor one from the compiler's workers at exit), and no output changed."""
+    project = stage_project("sft")
+    set_params(project, **{"sft.compile": True})
+    previous = plant_outputs(project, "sft")
+    result = run_with_fault(project, "sft", "--where", r"torch/_inductor/compile_fx\.py:compile_fx$", "--at", "1")
+    assert "fault: " in result.stderr, f"the fault was never injected:\n{result.stderr}"
+    assert result.returncode == 1, result.stderr
+    assert last_line(result) == ("error: sft.compile: true, but the compiled step failed (BackendCompilerFailed: "
+                                 "backend='inductor' raised: RuntimeError: injected fault); set it to auto or false")
+    assert "Traceback" not in result.stderr
+    assert snapshot(project, "sft") == previous and leftovers(project, "sft") == []
+
+
 # --- every stage, failed at a random point ---------------------------------------------------------------------------
 
 

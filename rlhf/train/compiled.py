@@ -75,8 +75,11 @@ def distance(got: dict[str, float], expected: dict[str, float]) -> float:
 
 
 def first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    """``error``'s type and the first line of its message, with the next line where the first only leads to it
+    (Dynamo's "backend='inductor' raised:")."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else "".join(lines[:1])
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 @dataclass
