@@ -214,7 +214,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
             if result.skipped and trainer.skipped_batches == step + 1 >= min(SKIPPED_AT_START, cfg.steps):
                 raise TrainingError(f"steps 0-{step} were all skipped (ppo.nan_policy: skip; the reward scorer "
                                     "returned NaN/inf in every batch, and the policy, never updated, would go on "
-                                    f"doing so): nothing was trained; {previous_outputs()}")
+                                    f"doing so): nothing was trained{previous_outputs()}")
             if not result.skipped:
                 last = result.stats
                 if is_main and not said_empty and not any(text.strip() for text in result.rollout.responses):
@@ -261,11 +261,9 @@ def log_objective(live: Live, measured: dict, samples: int) -> None:
 
 
 def previous_outputs() -> str:
-    """What became of the stage's previous outputs when it fails: they are kept, but a dvc repro or dvc exp run
-    deleted them before it ran the stage (its cache still holds those it recorded)."""
-    if "DVC_STAGE" in os.environ:
-        return f"dvc deleted the previous outputs before running {STAGE}: dvc checkout {STAGE} brings them back"
-    return "the previous outputs are kept"
+    """What became of the stage's previous outputs when it fails: they are kept; but a dvc repro or dvc exp run
+    deleted them before it ran the stage, which the error line says (``cli.under_dvc``), so nothing is added here."""
+    return "" if "DVC_STAGE" in os.environ else "; the previous outputs are kept"
 
 
 if __name__ == "__main__":

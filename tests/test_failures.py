@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from rlhf.models.loading import load_causal_lm, load_sequence_classifier
 from rlhf.models.scorers import ClassifierScorer
+from rlhf.pipeline import cli
 from rlhf.pipeline.errors import ModelError, PipelineError, TrainingError
 from rlhf.pipeline.io import StagedOutputs, atomic_path, write_text
 from rlhf.pipeline.params import defaults
@@ -478,12 +479,14 @@ def test_a_run_that_skips_every_batch_stops_early_and_changes_nothing(
     steps_taken = []
     real = PPOTrainer.step
     monkeypatch.setattr(PPOTrainer, "step", lambda self, *args: steps_taken.append(args[-1]) or real(self, *args))
-    outputs = ("dvc deleted the previous outputs before running ppo: dvc checkout ppo brings them back" if under_dvc
-               else "the previous outputs are kept")
-    with pytest.raises(TrainingError, match=rf"^steps 0-{min(steps, 10) - 1} were all skipped \(ppo.nan_policy: skip; "
-                                            rf"the reward scorer returned NaN/inf in every batch.*\): nothing was "
-                                            rf"trained; {outputs}$"):
+    outputs = (" (dvc checkout ppo brings back the outputs DVC removed before the run)" if under_dvc
+               else "; the previous outputs are kept")
+    with pytest.raises(TrainingError) as error:
         ppo_stage.main()
+    line = f"error: {cli.one_line(error.value, 'ppo', None)}{cli.under_dvc('ppo')}"  # as the stage prints it
+    assert re.fullmatch(rf"error: steps 0-{min(steps, 10) - 1} were all skipped \(ppo.nan_policy: skip; the reward "
+                        rf"scorer returned NaN/inf in every batch.*\): nothing was trained{re.escape(outputs)}", line)
+    assert line.count("dvc checkout") == under_dvc
     assert steps_taken == list(range(min(steps, 10)))
     assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
 
