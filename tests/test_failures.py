@@ -337,26 +337,29 @@ def test_a_stage_failed_at_a_random_point_leaves_its_previous_outputs_and_a_reru
 
 def test_a_commit_failing_half_way_puts_every_previous_output_back(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Including an output that had no previous version, moved in before the failure: it goes too, or one run's output
+    would stand beside another's."""
     monkeypatch.chdir(tmp_path)
-    outputs = [Path("metrics/a.json"), Path("data/b")]
+    outputs = [Path("metrics/new.json"), Path("metrics/a.json"), Path("data/b")]
     Path("metrics").mkdir()
     Path("metrics/a.json").write_text("old a")
     Path("data/b").mkdir(parents=True)
     Path("data/b/x").write_text("old b")
     renames, real_replace = [], os.replace
 
-    def replace_failing_at_the_fourth(src: object, dst: object) -> None:
+    def replace_failing_at_the_fifth(src: object, dst: object) -> None:
         renames.append((src, dst))
-        if len(renames) == 4:  # both previous outputs moved aside, the first new one moved in
+        if len(renames) == 5:  # both previous outputs moved aside, the first two new ones moved in
             raise OSError("injected")
         real_replace(src, dst)
 
     with pytest.raises(OSError, match="injected"), StagedOutputs(outputs) as staged:
+        write_text("new", staged[Path("metrics/new.json")])
         write_text("new a", staged[Path("metrics/a.json")])
         write_text("new b", staged[Path("data/b/x")])
-        monkeypatch.setattr(os, "replace", replace_failing_at_the_fourth)
+        monkeypatch.setattr(os, "replace", replace_failing_at_the_fifth)
     monkeypatch.setattr(os, "replace", real_replace)
-    assert len(renames) == 6  # the failed one, then the two previous outputs moved back
+    assert len(renames) == 7  # the failed one, then the two previous outputs moved back
     assert Path("metrics/a.json").read_text() == "old a" and Path("data/b/x").read_text() == "old b"
     assert sorted(p.name for p in [*Path("metrics").iterdir(), *Path("data").iterdir()]) == ["a.json", "b"]
 
@@ -370,12 +373,15 @@ def test_too_little_disk_for_an_output_stops_naming_it(tmp_path: Path, monkeypat
 
 
 def test_written_files_get_the_users_umask(tiny_gpt2_dir: Path, tmp_path: Path) -> None:
-    """transformers writes model.safetensors 0600 through a temporary file of its own; ours follow the umask."""
-    umask = os.umask(0o022)
-    os.umask(umask)
+    """transformers writes model.safetensors 0600 through a temporary file of its own; ours follow the umask, as it
+    is when they are written (one set after the pipeline's modules were imported, here)."""
     lm = load_causal_lm(str(tiny_gpt2_dir), defaults().model)
-    with atomic_path(tmp_path / "model") as tmp:
-        lm.save_pretrained(tmp)
+    umask, before = 0o027, os.umask(0o027)
+    try:
+        with atomic_path(tmp_path / "model") as tmp:
+            lm.save_pretrained(tmp)
+    finally:
+        os.umask(before)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "model", *(tmp_path / "model").iterdir()]}
     assert modes == {"model": 0o777 & ~umask} | {name: 0o666 & ~umask for name in modes if name != "model"}
     assert "model.safetensors" in modes
