@@ -130,6 +130,7 @@ class CompiledStep:
             raise ParamsError(f"{self.key}: true, but the compiled step {problem}; set it to auto or false", self.key)
         return result
 
+
 def step_metrics(step: CompiledStep | None) -> dict[str, Any]:
     """For a stage's metrics: whether its step ran compiled (``step`` None: it never compiled), and the distance its
     first use found from the eager step (None where none was measured)."""
