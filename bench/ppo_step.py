@@ -46,6 +46,7 @@ from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.pipeline.section import Rule
+from rlhf.train.compiled import step_metrics
 from rlhf.train.ppo_trainer import PPOTrainer
 
 
@@ -129,7 +130,7 @@ def main() -> None:
 
     # bodies run over the padded batch, LM heads over the response positions only; a shared value head costs no
     # body, a separate critic one more
-    critic = ppo.critic
+    critic, compiled = ppo.critic, step_metrics(trainer.compiled_step)["compiled"]
     positions = mean_padded_length(cfg, batches[1:])
     bodies = 2 if critic == "separate" else 1
     update = cfg.ppo_epochs * pass_flops(cfg, positions, cfg.new_tokens, bodies=bodies, backward=True,
@@ -140,9 +141,9 @@ def main() -> None:
             else "every weight trained, a second model as reference")
     result = summarize("ours", cfg, batches, rows, update, forward, bf16,
                        notes=f"{ppo.advantage_estimator}, k={ppo.samples_per_prompt}; {notes}; {lora}; LM head on "
-                             f"response positions only; update {'compiled' if trainer.compiled else 'eager'}")
+                             f"response positions only; update {'compiled' if compiled else 'eager'}")
     print(json.dumps(result | {"estimator": ppo.advantage_estimator, "samples_per_prompt": ppo.samples_per_prompt,
-                               "lora_r": args.lora_r, "compiled": trainer.compiled}))
+                               "lora_r": args.lora_r, "compiled": compiled}))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from rlhf.models.precision import autocast, mixed_precision, pick_device, to_dev
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import read_yaml
 from rlhf.pipeline.sections import SftParams
+from rlhf.train.compiled import CompiledStep
 from rlhf.train.sft import compiled_loss, next_token_loss, scratch_model
 from tools.presets import load_preset, overlay
 
@@ -59,7 +60,9 @@ def runner(name: str, s: SftParams, precision: str, device: torch.device) -> Cal
     lm = scratch_model(s, GPT2_VOCAB, EOS).to(device).train()
     optimizer = torch.optim.AdamW(lm.parameters(), lr=s.learning_rate, betas=(0.9, 0.95), fused=True)  # as fit.fit
     if name.startswith("ours"):
-        loss = compiled_loss() if name.endswith("-compiled") else next_token_loss
+        # the stage's compiled step, its first use checked against the eager step as in a run
+        check = CompiledStep("sft.compile", True, "bf16" if mixed_precision(device, precision) else "fp32")
+        loss = compiled_loss(check, list(lm.parameters())) if name.endswith("-compiled") else next_token_loss
     else:
         loss = torch.compile(hf_loss, dynamic=False) if name.endswith("-compiled") else hf_loss
 

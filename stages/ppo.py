@@ -122,6 +122,7 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
     from rlhf.models.scorers import make_reward_scorer
     from rlhf.train import checkpoint, sharding
     from rlhf.train.batches import ShuffledBatches
+    from rlhf.train.compiled import step_metrics
     from rlhf.train.ppo_checkpoint import find_checkpoint
     from rlhf.train.ppo_trainer import PPOTrainer
     from rlhf.train.rng import seed_everything
@@ -181,7 +182,8 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
                    "seconds": round(seconds, 1),
                    "skipped_batches": trainer.skipped_batches,
                    "throughput/samples_per_s": round(samples / seconds, 2),
-                   "system": system.summary(), **{k: v for k, v in last.items() if k.startswith("objective/")}}
+                   "system": system.summary(), "compile": step_metrics(trainer.compiled_step),
+                   **{k: v for k, v in last.items() if k.startswith("objective/")}}
         write_json({"ppo": summary}, outputs[PPO_METRICS])
         system.write(outputs[PPO_SYSTEM])
         log.info("ppo: %s", summary)
@@ -233,7 +235,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
             if result.skipped and trainer.skipped_batches == step + 1 >= min(SKIPPED_AT_START, cfg.steps):
                 raise TrainingError(f"steps 0-{step} were all skipped (ppo.nan_policy: skip; the reward scorer "
                                     "returned NaN/inf in every batch, and the policy, never updated, would go on "
-                                    f"doing so): nothing was trained; {previous_outputs()}")
+                                    f"doing so): nothing was trained{previous_outputs()}")
             if not result.skipped:
                 last = result.stats
                 if is_main and not said_empty and not any(text.strip() for text in result.rollout.responses):
@@ -280,11 +282,9 @@ def log_objective(live: Live, measured: dict, samples: int) -> None:
 
 
 def previous_outputs() -> str:
-    """What became of the stage's previous outputs when it fails: they are kept, but a dvc repro or dvc exp run
-    deleted them before it ran the stage (its cache still holds those it recorded)."""
-    if "DVC_STAGE" in os.environ:
-        return f"dvc deleted the previous outputs before running {STAGE}: dvc checkout {STAGE} brings them back"
-    return "the previous outputs are kept"
+    """What became of the stage's previous outputs when it fails: they are kept; but a dvc repro or dvc exp run
+    deleted them before it ran the stage, which the error line says (``cli.under_dvc``), so nothing is added here."""
+    return "" if "DVC_STAGE" in os.environ else "; the previous outputs are kept"
 
 
 if __name__ == "__main__":

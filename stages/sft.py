@@ -44,9 +44,9 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.models.loading import check_vocab_match, load_tokenizer, save_pretrained
     from rlhf.models.precision import pick_device
     from rlhf.train.checkpoint import weights_bytes
-    from rlhf.train.fit import compiles
+    from rlhf.train.compiled import step_metrics
     from rlhf.train.rng import seed_everything
-    from rlhf.train.sft import build_model, pack, perplexity, tokens_per_step, train
+    from rlhf.train.sft import build_model, compiled_step, pack, perplexity, tokens_per_step, train
     from rlhf.train.system_use import SystemUse
 
     s = params.sft
@@ -58,19 +58,20 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     lm = build_model(params, tokenizer)
     check_vocab_match(tokenizer, lm, "model.tokenizer")
     device = pick_device()
-    compiles(s.compile, device, "sft.compile")  # one that cannot run fails here, before training
+    step = compiled_step(params, device)  # one that cannot run fails here, before training
     outputs.check_free_space(SFT_DIR, weights_bytes(lm))
 
     lm.to(device)
     with outputs.steps(), SystemUse(device) as system:
-        result = train(lm, blocks, params, device, generator)
+        result = train(lm, blocks, params, device, generator, step)
     ppl = perplexity(lm, held_out, EVAL_BATCH, device)
     save_pretrained(lm, tokenizer, outputs[SFT_DIR])
     tail, tokens = result.losses[-20:], len(result.losses) * tokens_per_step(s)
     write_json({"sft": {"trained": True, "perplexity": round(ppl, 3), "train_loss": round(sum(tail) / len(tail), 4),
                         "tokens": tokens, "tokens_per_s": round(tokens / result.seconds, 1),
                         "seconds": round(result.seconds, 1), "parameters": lm.num_parameters(),
-                        "system": system.summary()}}, outputs[SFT_METRICS])
+                        "system": system.summary(),
+                        "compile": step_metrics(step)}}, outputs[SFT_METRICS])
     system.write(outputs[SFT_SYSTEM])
     write_text("step,loss\n" + "".join(f"{step},{loss:.5f}\n" for step, loss in enumerate(result.losses)),
                outputs[SFT_LOSS])

@@ -1,5 +1,6 @@
 """tools.compare's gpu column: the share of the method's training time its GPU was busy, from the training stage's
-metrics (``<stage>.system.gpu_busy``); '-' for a run without a GPU and for best-of-N, which trains nothing. (The
+metrics (``<stage>.system.gpu_busy``); '-' for a run without a GPU and for best-of-N, which trains nothing. Its
+compiled column: the distance of the compiled step's first use from the eager step (``<stage>.compile.*``). (The
 whole table over real experiments: tests/test_experiments.py.)"""
 
 from __future__ import annotations
@@ -20,3 +21,14 @@ def test_the_gpu_column_shows_the_training_stage_s_busy_share_and_sorts_by_it() 
     assert cells == {"main": "46%", "dpo-run": "91%", "cpu-run": "-", "bon": "-"}
     assert [line.split()[0] for line in lines[2:5]] == ["dpo-run", "cpu-run", "bon"]  # no share sorts last
     assert "gpu: the share of that time the GPU was busy" in " ".join(lines)
+
+
+def test_the_compiled_column_shows_the_first_use_distance_or_eager() -> None:
+    ppo = {"method": "ppo"}
+    base = Row("main", True, ppo, {"ppo.compile.compiled": True, "ppo.compile.distance": 3.2e-5})
+    exps = [Row("fell-back", False, ppo, {"ppo.compile.compiled": False, "ppo.compile.distance": 0.7}),
+            Row("dpo-run", False, {"method": "dpo"}, {"dpo.seconds": 5.0})]
+    lines = table([(base, exps)]).splitlines()
+    at = lines[0].index(" compiled ") + 1
+    cells = {line.split()[0]: line[at:at + 8].strip() for line in lines[1:lines.index("")]}
+    assert cells == {"main": "3e-05", "fell-back": "eager", "dpo-run": "-"}

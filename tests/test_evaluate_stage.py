@@ -58,6 +58,9 @@ def test_a_policy_equal_to_the_reference_samples_the_same_responses_with_zero_kl
                 f"judge.{clf}.policy_positive_rate", "judge.vader.reference_positive_rate", "fluency.ref_perplexity",
                 "diversity.distinct2"]:
         assert isinstance(metrics[key], float), key
+    assert all(0 <= value <= 1 for key, value in metrics.items() if key.endswith("positive_rate"))
+    assert all(abs(metrics[key]) < 1e-4 for key in ("kl.mean", "kl.full_mean", "kl.p90"))  # the reference's own
+    assert 0 < metrics["diversity.distinct2"] <= 1
     assert not any(key.endswith("_greedy") or "_greedy_" in key for key in metrics)
 
     samples = pd.read_parquet(EVAL_SAMPLES)

@@ -63,7 +63,8 @@ def test_repro_then_experiments_rerun_only_what_changed(project: Path, imdb_dir:
     assert "reward.policy_greedy_mean" in greedy and greedy["reward.policy_greedy_mean"]["old"] is None
     assert all("greedy" in key or key.startswith("evaluate.time/") for key in greedy), greedy
     times = json.loads((project / "metrics" / "eval.json").read_text())["evaluate"]
-    assert set(times) == {"time/setup", "time/steps", "time/teardown"} and min(times.values()) >= 0
+    assert set(times) == {"time/setup", "time/steps", "time/teardown"}
+    assert times["time/setup"] > 0 and times["time/steps"] > 0  # teardown (files moving in) can round to 0.00
 
     show = {row["Experiment"]: row for row in csv.DictReader(io.StringIO(dvc(project, "exp", "show", "--csv").stdout))}
     assert float(show["kl-low"]["kl.full_mean"]) == pytest.approx(diff["kl.full_mean"]["new"])

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from rlhf.models.loading import load_causal_lm, load_sequence_classifier
 from rlhf.models.scorers import ClassifierScorer
+from rlhf.pipeline import cli
 from rlhf.pipeline.errors import ModelError, PipelineError, TrainingError
 from rlhf.pipeline.io import StagedOutputs, atomic_path, write_text
 from rlhf.pipeline.params import defaults
@@ -275,6 +276,24 @@ def test_a_fault_inside_a_stage_is_one_line_and_changes_no_output(
     assert snapshot(project, stage) == previous and leftovers(project, stage) == []
 
 
+@pytest.mark.slow  # Dynamo traces the step before Inductor fails: seconds
+def test_a_compiled_step_that_fails_under_true_is_one_line_and_changes_no_output(
+        stage_project: Callable[[str], Path]) -> None:
+    """Inductor, the real compiler, raises at its first compilation (sft's step: the smallest graph; the PPO update
+    goes through the same check, tests/test_compiled.py): one line naming sft.compile and what to set, no traceback
+    (nor one from the compiler's workers at exit), and no output changed."""
+    project = stage_project("sft")
+    set_params(project, **{"sft.compile": True})
+    previous = plant_outputs(project, "sft")
+    result = run_with_fault(project, "sft", "--where", r"torch/_inductor/compile_fx\.py:compile_fx$", "--at", "1")
+    assert "fault: " in result.stderr, f"the fault was never injected:\n{result.stderr}"
+    assert result.returncode == 1, result.stderr
+    assert last_line(result) == ("error: sft.compile: true, but the compiled step failed (BackendCompilerFailed: "
+                                 "backend='inductor' raised: RuntimeError: injected fault); set it to auto or false")
+    assert "Traceback" not in result.stderr
+    assert snapshot(project, "sft") == previous and leftovers(project, "sft") == []
+
+
 # --- every stage, failed at a random point ---------------------------------------------------------------------------
 
 
@@ -318,26 +337,29 @@ def test_a_stage_failed_at_a_random_point_leaves_its_previous_outputs_and_a_reru
 
 def test_a_commit_failing_half_way_puts_every_previous_output_back(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Including an output that had no previous version, moved in before the failure: it goes too, or one run's output
+    would stand beside another's."""
     monkeypatch.chdir(tmp_path)
-    outputs = [Path("metrics/a.json"), Path("data/b")]
+    outputs = [Path("metrics/new.json"), Path("metrics/a.json"), Path("data/b")]
     Path("metrics").mkdir()
     Path("metrics/a.json").write_text("old a")
     Path("data/b").mkdir(parents=True)
     Path("data/b/x").write_text("old b")
     renames, real_replace = [], os.replace
 
-    def replace_failing_at_the_fourth(src: object, dst: object) -> None:
+    def replace_failing_at_the_fifth(src: object, dst: object) -> None:
         renames.append((src, dst))
-        if len(renames) == 4:  # both previous outputs moved aside, the first new one moved in
+        if len(renames) == 5:  # both previous outputs moved aside, the first two new ones moved in
             raise OSError("injected")
         real_replace(src, dst)
 
     with pytest.raises(OSError, match="injected"), StagedOutputs(outputs) as staged:
+        write_text("new", staged[Path("metrics/new.json")])
         write_text("new a", staged[Path("metrics/a.json")])
         write_text("new b", staged[Path("data/b/x")])
-        monkeypatch.setattr(os, "replace", replace_failing_at_the_fourth)
+        monkeypatch.setattr(os, "replace", replace_failing_at_the_fifth)
     monkeypatch.setattr(os, "replace", real_replace)
-    assert len(renames) == 6  # the failed one, then the two previous outputs moved back
+    assert len(renames) == 7  # the failed one, then the two previous outputs moved back
     assert Path("metrics/a.json").read_text() == "old a" and Path("data/b/x").read_text() == "old b"
     assert sorted(p.name for p in [*Path("metrics").iterdir(), *Path("data").iterdir()]) == ["a.json", "b"]
 
@@ -351,12 +373,15 @@ def test_too_little_disk_for_an_output_stops_naming_it(tmp_path: Path, monkeypat
 
 
 def test_written_files_get_the_users_umask(tiny_gpt2_dir: Path, tmp_path: Path) -> None:
-    """transformers writes model.safetensors 0600 through a temporary file of its own; ours follow the umask."""
-    umask = os.umask(0o022)
-    os.umask(umask)
+    """transformers writes model.safetensors 0600 through a temporary file of its own; ours follow the umask, as it
+    is when they are written (one set after the pipeline's modules were imported, here)."""
     lm = load_causal_lm(str(tiny_gpt2_dir), defaults().model)
-    with atomic_path(tmp_path / "model") as tmp:
-        lm.save_pretrained(tmp)
+    umask, before = 0o027, os.umask(0o027)
+    try:
+        with atomic_path(tmp_path / "model") as tmp:
+            lm.save_pretrained(tmp)
+    finally:
+        os.umask(before)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "model", *(tmp_path / "model").iterdir()]}
     assert modes == {"model": 0o777 & ~umask} | {name: 0o666 & ~umask for name in modes if name != "model"}
     assert "model.safetensors" in modes
@@ -460,12 +485,14 @@ def test_a_run_that_skips_every_batch_stops_early_and_changes_nothing(
     steps_taken = []
     real = PPOTrainer.step
     monkeypatch.setattr(PPOTrainer, "step", lambda self, *args: steps_taken.append(args[-1]) or real(self, *args))
-    outputs = ("dvc deleted the previous outputs before running ppo: dvc checkout ppo brings them back" if under_dvc
-               else "the previous outputs are kept")
-    with pytest.raises(TrainingError, match=rf"^steps 0-{min(steps, 10) - 1} were all skipped \(ppo.nan_policy: skip; "
-                                            rf"the reward scorer returned NaN/inf in every batch.*\): nothing was "
-                                            rf"trained; {outputs}$"):
+    outputs = (" (dvc checkout ppo brings back the outputs DVC removed before the run)" if under_dvc
+               else "; the previous outputs are kept")
+    with pytest.raises(TrainingError) as error:
         ppo_stage.main()
+    line = f"error: {cli.one_line(error.value, 'ppo', None)}{cli.under_dvc('ppo')}"  # as the stage prints it
+    assert re.fullmatch(rf"error: steps 0-{min(steps, 10) - 1} were all skipped \(ppo.nan_policy: skip; the reward "
+                        rf"scorer returned NaN/inf in every batch.*\): nothing was trained{re.escape(outputs)}", line)
+    assert line.count("dvc checkout") == under_dvc
     assert steps_taken == list(range(min(steps, 10)))
     assert snapshot(project, "ppo") == previous and leftovers(project, "ppo") == []
 

@@ -13,10 +13,10 @@ import torch
 from conftest import ROOT, set_params
 from helpers import count_host_reads
 
-from rlhf.pipeline.errors import ParamsError, PipelineError, TrainingError
+from rlhf.pipeline.errors import PipelineError, TrainingError
 from rlhf.pipeline.params import load_params
 from rlhf.train.batches import RandomBatches, ShuffledBatches
-from rlhf.train.fit import READ_EVERY, FitPlan, compile_problem, compiles, fit, lr_factor
+from rlhf.train.fit import READ_EVERY, FitPlan, fit, lr_factor
 
 X = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
 Y = X @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(1))
@@ -144,17 +144,6 @@ def test_a_nan_read_later_names_its_own_step_and_keeps_no_checkpoint_after_it(
         fit(net, net.parameters(), loss, RandomBatches(64, 8, torch.Generator().manual_seed(2)), PLAN)
     # checkpoints come every 4 steps: after step 3, and none after step 7, whose weights the NaN had reached
     assert [p.name for p in (tmp_path / "data/checkpoints/sft").iterdir()] == ["step-000003"]
-
-
-def test_compile_auto_is_cuda_only_and_a_true_that_cannot_run_names_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert [compiles(setting, cpu, "sft.compile") for setting in ("auto", True, False)] == [False, True, False]
-    assert compiles("auto", cuda, "sft.compile") is (compile_problem(cuda) is None)
-    monkeypatch.setattr("rlhf.train.fit.compile_problem", lambda device: "no Triton")
-    assert compiles("auto", cuda, "sft.compile") is False  # eager, with a warning
-    assert compiles(False, cpu, "sft.compile") is False
-    with pytest.raises(ParamsError, match=r"^sft.compile: true, but torch.compile cannot run here \(no Triton\)"):
-        compiles(True, cpu, "sft.compile")
 
 
 def test_the_learning_rate_factor_warms_up_then_decays_to_its_floor() -> None:

@@ -55,10 +55,11 @@ def test_stage_outputs(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> No
     assert metrics["prompts"] == {"train": long_reviews, "eval": 20} and metrics["pairs"] == {"train": 30, "test": 10}
     assert set(metrics["prompt_tokens"]) == {str(n) for n in range(2, 9)}
     assert sum(metrics["prompt_tokens"].values()) == long_reviews and 2 < metrics["prompt_tokens_mean"] < 8
-    assert metrics["seconds"] >= 0
+    assert 0 < metrics["seconds"] <= wall  # the stage's own time, within the process's
     # the process's time from its start to its outputs going in: all of it but the interpreter's start and exit
     seconds = [metrics[f"time/{part}"] for part in ("setup", "steps", "teardown")]
-    assert min(seconds) >= 0 and 0.5 * wall < sum(seconds) <= wall, (seconds, wall)
+    # setup (imports, reading) and steps do work; teardown (files moving in) can round to 0.00
+    assert seconds[0] > 0 and seconds[1] > 0 and seconds[2] >= 0 and 0.5 * wall < sum(seconds) <= wall, (seconds, wall)
     log = result.stderr.splitlines()
     assert f"data.source: {imdb_dir} is outside data/raw/, so editing it will not rerun prepare " \
            "(copy it under data/raw/)" in log

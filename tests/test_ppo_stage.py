@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +17,9 @@ import torch
 from conftest import ROOT, build_tiny_gpt2, error_line, set_params, write_prompts
 from helpers import eos_only_gpt2, run
 from transformers import AutoModelForCausalLM
+
+from rlhf.pipeline import cli
+from rlhf.pipeline.errors import DataError
 
 ESTIMATORS = {  # TINY's batch_size 4: 2 prompts x 2 samples for the group estimators
     "gae": {},
@@ -115,6 +120,32 @@ def test_two_processes_on_cpu(ppo_project: Path) -> None:
                                             r"stopped by SIGTERM( at "
                                             r"step \d+)?); checkpoint data/checkpoints/ppo/step-000001 kept; rerun to "
                                             r"resume", rank0[0]), rank0
+
+
+def test_a_stop_that_arrives_while_an_error_is_told_adds_nothing_to_its_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The losing order of the stop above, forced: a process is telling its error (there, the collective another
+    process's death broke) when torchrun's SIGTERM reaches it, sent here from inside the telling. The line stays one
+    line, its status the error's."""
+    def main() -> None:
+        raise DataError("data/prompts/train.parquet: too few prompts")
+
+    def told_while_stopped(stage: str | None) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return ""
+
+    monkeypatch.setattr(sys, "argv", ["stages.ppo"])
+    monkeypatch.setattr(cli, "under_dvc", told_while_stopped)
+    handlers = {signum: signal.getsignal(signum) for signum in cli.STOP_SIGNALS}
+    try:
+        cli.run_stage(main)
+    except BaseException as e:  # a Stopped raised by the signal would be a KeyboardInterrupt: caught, not let out
+        outcome = e
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert isinstance(outcome, SystemExit) and outcome.code == 1, repr(outcome)
+    assert capsys.readouterr().err == "error: data/prompts/train.parquet: too few prompts\n"
 
 
 def test_response_longer_than_the_context(ppo_project: Path, tokenizer_dir: Path, tmp_path: Path) -> None:

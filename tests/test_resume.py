@@ -11,6 +11,7 @@ the seed and its delays, so a failure can be replayed with the same ones.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -238,6 +239,30 @@ def test_a_nan_stop_keeps_the_outputs_and_the_last_checkpoint_and_skip_resumes_f
     assert "resuming after step 3" in caplog.text
     assert sorted(pd.read_parquet("data/rollouts")["step"].unique()) == list(range(8))
     assert json.loads(Path("metrics/ppo.json").read_text())["ppo"]["skipped_batches"] == 0
+
+
+@pytest.mark.slow
+def test_a_run_stopped_compiled_resumes_eagerly_and_the_other_way(ppo_project: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """ppo.compile is left out of the checkpoint's fingerprint: an eager run stopped by a NaN score at step 3 resumes
+    compiled after step 1, stopped again at step 4 it resumes eagerly after step 3, and finishes. torch.compile
+    hands the functions back as they are: the run takes the compiled path (its layout, persistent gradients and
+    first-use check), without the minute compiling takes on a CPU, which is not under test here."""
+    set_params(ppo_project, **{"ppo.steps": 6, "ppo.checkpoint_every": 2})
+    monkeypatch.chdir(ppo_project)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    caplog.set_level("INFO")
+    for setting, nan_call, resumed in ((False, 4, None), (True, 3, 1), (False, None, 3)):
+        set_params(ppo_project, **{"ppo.compile": setting})
+        score_with(monkeypatch, LengthScorer(nan_call))
+        caplog.clear()
+        with pytest.raises(TrainingError) if nan_call else contextlib.nullcontext():
+            ppo_stage.main()
+        assert (f"resuming after step {resumed}" in caplog.text) is (resumed is not None), setting
+        assert ("another run's checkpoint" in caplog.text) is False
+        assert ("ppo.compile: the compiled step matches the eager step" in caplog.text) is setting
+    assert sorted(pd.read_parquet("data/rollouts")["step"].unique()) == list(range(6))
+    assert json.loads(Path("metrics/ppo.json").read_text())["ppo"]["compile"] == {"compiled": False, "distance": None}
 
 
 # in-process runs stopped by a NaN score at step 4 and resumed from their step-3 checkpoint (the kill test above

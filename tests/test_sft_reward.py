@@ -123,7 +123,7 @@ def train_tiny(params: Params, compile_setting: bool, device: torch.device) -> t
     lm = sft.scratch_model(params.sft, VOCAB, 0).to(device)
     initial = [p.detach().clone() for p in lm.parameters()]
     result = sft.train(lm, structured_blocks(64, params.sft.block_size), params, device,
-                       torch.Generator().manual_seed(0))
+                       torch.Generator().manual_seed(0), sft.compiled_step(params, device))
     return result.losses, [(p.detach() - p0).cpu() for p, p0 in zip(lm.parameters(), initial, strict=True)]
 
 
@@ -164,7 +164,8 @@ def test_on_cuda_sft_waits_for_the_gpu_only_to_read_losses_and_compiles_to_eager
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                losses[setting] = sft.train(lm, blocks, run, cuda, torch.Generator().manual_seed(0)).losses
+                losses[setting] = sft.train(lm, blocks, run, cuda, torch.Generator().manual_seed(0),
+                                            sft.compiled_step(run, cuda)).losses
         finally:
             torch.cuda.set_sync_debug_mode("default")
         if not setting:

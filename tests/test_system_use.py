@@ -28,7 +28,8 @@ def test_cpu_and_memory_samples_land_in_the_csv_and_the_summary(tmp_path: Path) 
     rows = list(csv.DictReader((tmp_path / "system.csv").open()))
     assert len(rows) >= 3 and list(rows[0]) == list(COLUMNS)
     assert [float(row["seconds"]) for row in rows] == sorted(float(row["seconds"]) for row in rows)
-    assert all(float(row["ram_gb"]) > 0 and float(row["cpu"]) >= 0 for row in rows)
+    # cores, not a percentage: one thread spinning keeps at most one busy, whatever the machine
+    assert all(float(row["ram_gb"]) > 0 and 0 <= float(row["cpu"]) <= 1.5 for row in rows)
     assert sum(float(row["cpu"]) for row in rows) > 0  # the spinning shows
     assert all(row["gpu_busy"] == "" and row["gpu_memory_gb"] == "" for row in rows)
     summary = system.summary()

@@ -6,6 +6,7 @@ a signature that fits both conventions or neither is refused at load, in one lin
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -172,7 +173,8 @@ def test_ppo_learns_from_trl_s_example_functions(ppo_project: Path, tokenizer_di
     torch.testing.assert_close(torch.tensor(rollouts["score"].tolist()), expected)
     # the stage's use of the machine lands beside its curves and in its metrics (rlhf/train/system_use.py)
     system = pd.read_csv("metrics/ppo/system.csv")
-    assert len(system) and (system["cpu"] >= 0).all() and (system["ram_gb"] > 0).all()
+    assert len(system) and (system["cpu"] > 0).any() and (system["ram_gb"] > 0).all()
+    assert (system["cpu"] <= os.cpu_count()).all()  # cores, not a percentage
     assert system["gpu_busy"].isna().all()  # no GPU here
     assert json.loads(Path("metrics/ppo.json").read_text())["ppo"]["system"]["cpu_cores"] > 0
     by_step = rollouts.groupby("step")["score"].mean()

@@ -33,6 +33,8 @@ LEGEND = ("reward, {judges}: positive rate on the eval prompts, reference → po
           "prompts (- without a pool, or a beta: docs/experiments.md). ppl: the "
           "reference's perplexity of the policy's responses. dist-2: distinct-2, unique / all bigrams of the "
           "responses. train: seconds the method trained. gpu: the share of that time the GPU was busy (- on CPU). "
+          "compiled: the distance of its compiled step's first use from the eager step (eager: it never ran "
+          "compiled). "
           "changed: params that differ from the row's baseline commit.")
 
 
@@ -113,6 +115,15 @@ def percent(value: Any) -> str:
     return "-" if not isinstance(value, int | float) or isinstance(value, bool) else f"{value:.0%}"
 
 
+def compiled(row: Row) -> str:
+    """The training stage's compiled step: the distance its first use found from the eager step, ``eager`` where it
+    ran eagerly, - for a stage without one."""
+    ran, found = trained(row, "compile.compiled"), trained(row, "compile.distance")
+    if ran is None:
+        return "-"
+    return f"{found:.0e}" if ran and isinstance(found, int | float) else "compiled" if ran else "eager"
+
+
 def kl(metrics: dict[str, Any]) -> str:
     bound = metrics.get("kl.best_of_n_bound")
     return f"<={bound:.2f}" if isinstance(bound, float) else number(metrics.get("kl.mean"), 2)
@@ -151,6 +162,7 @@ def columns(judges: list[str]) -> dict[str, Column]:
         "train": Column("train", lambda r, b: number(trained(r, "seconds"), 0), lambda r: trained(r, "seconds")),
         "gpu": Column("gpu", lambda r, b: percent(trained(r, "system.gpu_busy")),
                       lambda r: trained(r, "system.gpu_busy")),
+        "compiled": Column("compiled", lambda r, b: compiled(r), lambda r: trained(r, "compile.distance")),
         "changed": Column("changed", changed),
     }
 

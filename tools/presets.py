@@ -205,7 +205,7 @@ def stop_dvc(pid: int, signum: int) -> None:
     """Stop the dvc process ``pid`` as Ctrl-C in its terminal would: SIGINT to dvc (between stages it stops; while a
     stage runs it ignores SIGINT and waits for the stage) and ``signum`` to the stage, which keeps its checkpoint and
     says so. Ctrl-C already reached both from the terminal; a SIGTERM or SIGHUP sent to this process alone did not."""
-    import psutil  # a DVC dependency
+    import psutil
 
     with contextlib.suppress(psutil.Error):
         dvc = psutil.Process(pid)

@@ -33,7 +33,7 @@ SAMPLE_BYTES, TOKEN_BYTES = 1024, 128
 def check_pool_memory(prompts: int, n: int, tokens: int) -> None:
     """Refuse, before any model loads, a pool of ``prompts`` x ``n`` samples of up to ``tokens`` tokens that cannot fit
     in the memory available: the OS killed such a run, out of memory, without a word."""
-    import psutil  # a DVC dependency
+    import psutil
 
     needed, available = prompts * n * (SAMPLE_BYTES + tokens * TOKEN_BYTES), psutil.virtual_memory().available
     if needed > available:

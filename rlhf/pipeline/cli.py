@@ -98,6 +98,9 @@ def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> Non
               + kept(stage, getattr(e, "step", None)) + under_dvc(stage), file=sys.stderr)
         raise SystemExit(128 + signum) from None
     except Exception as e:
+        # a stop arriving while the error is told must not add its traceback to the line: in a multi-process run,
+        # torchrun stops a process whose collective just failed because another died, often at that very moment
+        stop_signals(signal.SIG_IGN)
         message = one_line(e, stage, out_of_memory)
         if message is None:
             raise

@@ -27,8 +27,6 @@ from rlhf.pipeline.params import changed_since_read
 from rlhf.pipeline.paths import CHECKPOINTS_DIR, checkpoint_dir, checkpoints, output_path, staging_path
 from rlhf.pipeline.wiring import wiring
 
-UMASK = os.umask(0o022)
-os.umask(UMASK)
 DISABLED_MARKER = "DISABLED"  # the one file of a switched-off stage's model folder
 
 
@@ -43,6 +41,17 @@ def naming_disk_full(path: Path | str) -> Iterator[None]:
         raise
 
 
+def umask() -> int:
+    """The process's umask now: read from /proc where Linux shows it, else set and put back (the standard library's
+    only way), never at import, where it would change it for the importer."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        status = Path("/proc/self/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temporary sibling of ``path`` (to write a file or a folder) and rename it into place, with the modes
@@ -54,8 +63,9 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         target = tmp / path.name
         try:
             yield target
+            mask = umask()
             for item in [target, *target.rglob("*")] if target.is_dir() else [target]:
-                os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~UMASK)
+                os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~mask)
             if target.is_dir() and path.exists():
                 remove(path)
             os.replace(target, path)
@@ -226,7 +236,8 @@ class StagedOutputs:
     def commit(self) -> None:
         """Unless params.yaml changed under the stage (``params.changed_since_read``), replace the outputs by the
         staged ones, each of which must have been written: every previous one set aside first, then every staged one
-        moved in; a failure or a stop on the way puts the previous ones back. Once they are in, only the standard
+        moved in; a failure or a stop on the way puts the previous ones back and takes out the new ones that had none
+        (outputs of two runs are never left side by side). Once they are in, only the standard
         library runs: nothing may fail a finished stage."""
         if self.stage is not None and (change := changed_since_read(self.stage)):
             raise PipelineError(f"params.yaml changed while {self.stage} ran ({change}): its outputs were not "
@@ -246,10 +257,12 @@ class StagedOutputs:
             for output, staged, _ in moves:
                 os.replace(staged, output)
         except BaseException:
-            for output, _, previous in moves:
+            for output, staged, previous in moves:
                 if os.path.lexists(previous):
                     remove(output)
                     os.replace(previous, output)
+                elif not os.path.lexists(staged):  # moved in with no previous version: not beside the previous run's
+                    remove(output)
             raise
         for _, _, previous in moves:
             with contextlib.suppress(OSError):
@@ -260,11 +273,12 @@ class StagedOutputs:
 
 
 def lock_stage(stage: str) -> int:
-    """Hold ``data/checkpoints/.<stage>.lock`` until the process ends (the OS releases it, even after a kill -9), or
-    refuse in one line while another process of this workspace holds it. Returns the lock's descriptor."""
+    """Hold ``data/checkpoints/.<stage>.lock`` until its descriptor, returned, is closed (``StagedOutputs`` closes it
+    on leaving its block; the OS releases it when the process ends, even after a kill -9), or refuse in one line
+    while another process of this workspace holds it."""
     path = CHECKPOINTS_DIR / f".{stage}.lock"
     check_writable(path.parent, path.parent)  # a file there, or an immutable folder: one line, not a traceback
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~UMASK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # open applies the umask itself
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -101,7 +101,8 @@ class PpoParams(Section):
     compile: bool | Literal["auto"]
     """torch.compile the update's step (the forward of policy and value, the loss and its backward, the clipping), on
     CUDA replayed as CUDA graphs, every batch padded to one shape: true, false, or auto: on CUDA only. Single-process
-    only (auto runs an accelerate launch eagerly); the same losses and weights to float rounding (docs/gpu.md)."""
+    only (auto runs an accelerate launch eagerly); the same losses and weights to float rounding, its first use checked
+    against the eager update: where it fails or differs, auto runs eagerly, true stops (docs/gpu.md)."""
     nan_policy: Literal["stop", "skip"]
     """On a NaN/inf score, loss or gradient: stop with a message, or skip the batch and count it. A run whose first 10
     steps (or all its steps, if fewer) are all skipped stops there: its policy, never updated, would go on scoring

@@ -148,7 +148,8 @@ class SftParams(Schedule):
     """Test-split reviews used for held-out perplexity."""
     compile: bool | Literal["auto"]
     """torch.compile the training step (forward, loss and backward), the same loss to float rounding: true, false, or
-    auto: on CUDA only (on a CPU compiling takes minutes, which only a long bf16 run repays: docs/gpu.md)."""
+    auto: on CUDA only (on a CPU compiling takes minutes, which only a long bf16 run repays: docs/gpu.md). Its first
+    use is checked against the eager step: where it fails or differs, auto trains eagerly, true stops."""
 
     @model_validator(mode="after")
     def _rules(self) -> SftParams:

@@ -305,7 +305,7 @@ def _dvc_process() -> tuple[int, float] | None:
     that may or may not exec it): the nearest ancestor running dvc."""
     if "DVC_STAGE" not in os.environ:
         return None
-    import psutil  # a DVC dependency
+    import psutil
 
     for process in psutil.Process().parents():
         with contextlib.suppress(psutil.Error):

@@ -21,7 +21,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 from tqdm import tqdm
 
-from rlhf.pipeline.errors import ParamsError, PipelineError, TrainingError, interrupted_at
+from rlhf.pipeline.errors import PipelineError, TrainingError, interrupted_at
 from rlhf.pipeline.paths import checkpoint_dir
 from rlhf.train import checkpoint, rng
 from rlhf.train.batches import Batches
@@ -141,35 +141,6 @@ def resume(folder: Path, plan: FitPlan, model: torch.nn.Module, optimizer: torch
     rng.set_rng_states(found.state["rng"], {})
     log.info("%s: resuming after step %d from %s", plan.section, found.step, found.path)
     return found
-
-
-def compiles(setting: bool | str, device: torch.device, key: str, processes: bool = False) -> bool:
-    """Whether a step compiles under ``key``'s ``setting`` (true, false or auto) on ``device``. auto: on CUDA only. On
-    a CPU the compiled step is faster only in bf16, and compiling it takes minutes there, which only a long run
-    repays (docs/gpu.md). ``processes``: the step runs data-parallel over several processes, which it does eagerly.
-    True where torch.compile cannot run is an error naming ``key``."""
-    if not setting:
-        return False
-    problem = "several processes (accelerate) run the step eagerly" if processes else compile_problem(device)
-    if setting == "auto":
-        if device.type == "cuda" and problem is not None:
-            log.warning("%s: auto, but torch.compile cannot run here (%s): the step runs eagerly", key, problem)
-        return device.type == "cuda" and problem is None
-    if problem is not None:
-        raise ParamsError(f"{key}: true, but torch.compile cannot run here ({problem}); set it to auto or false", key)
-    return bool(setting)
-
-
-def compile_problem(device: torch.device) -> str | None:
-    """Why torch.compile cannot run on ``device`` in this process (None: it can)."""
-    from torch._dynamo import is_dynamo_supported
-    from torch.utils._triton import has_triton
-
-    if not is_dynamo_supported():
-        return "this Python is not supported by torch.compile"
-    if device.type == "cuda" and not has_triton():
-        return "Triton, its GPU code generator, is not installed"
-    return None
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: str = "cosine", floor: float = 0.0) -> float:

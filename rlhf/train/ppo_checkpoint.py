@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from rlhf.models.policy import PolicyWithValueHead
 from rlhf.pipeline.errors import PipelineError
 from rlhf.pipeline.io import remove
@@ -40,9 +42,10 @@ def run_fingerprint(params: Params, models: list[str | None], processes: int) ->
     """What determines a PPO run: the params the stage reads, its input files (the prompts and ``models``: the
     policy's, its tokenizer's, the reward model's, where local), the number of processes."""
     # nan_policy is left out: a run under "stop" has met no NaN before its last checkpoint, so after a NaN stop,
-    # switching to "skip" resumes from that checkpoint instead of step 0
+    # switching to "skip" resumes from that checkpoint instead of step 0. compile too: the compiled and eager updates
+    # train alike (a run's first-use check holds them to it), so a run stopped under one resumes under the other
     return checkpoint.fingerprint("ppo", params, [TRAIN_PROMPTS, *filter(None, models)],
-                                  exclude=("ppo.nan_policy",), extra={"processes": processes})
+                                  exclude=("ppo.nan_policy", "ppo.compile"), extra={"processes": processes})
 
 
 @dataclass
@@ -74,7 +77,7 @@ class Checkpointing:
             sharding.save(shards, trainer.policy, trainer.optimizer)  # returns once every process has written
         if not accelerator.is_main_process:
             return
-        state = trainer.state_dict()
+        state = trainer_state(trainer)
         optimizer_state = state.pop("optimizer")
         checkpoint.save(self.folder, step, None if shards else trainer.policy, optimizer_state,
                         {"fingerprint": self.fingerprint, "trainer": state, "data": order.state_dict(), "rng": states,
@@ -96,15 +99,34 @@ class Checkpointing:
                 accelerator: Accelerator) -> None:
         if accelerator.is_main_process:
             checkpoint.restore_files(found, self.files)
+        optimizer = None
         if trainer.sharded:
             sharding.load(found.path, trainer.policy, trainer.optimizer)
-            trainer.load_state_dict({**found.state["trainer"], "optimizer": None})
         else:
             checkpoint.load_weights(found, trainer.policy)
-            trainer.load_state_dict({**found.state["trainer"], "optimizer": checkpoint.load_optimizer_state(found)})
+            optimizer = checkpoint.load_optimizer_state(found)
+        load_trainer_state(trainer, {**found.state["trainer"], "optimizer": optimizer})
         order.load_state_dict(found.state["data"])
         rng.set_rng_states(found.state["rng"][accelerator.process_index], {"length": trainer.length_generator})
         self.start -= found.state["seconds"]
+
+
+def trainer_state(trainer: PPOTrainer) -> dict[str, object]:
+    """What a resumed run needs of the trainer besides the weights and the RNG states; JSON-ready except
+    ``optimizer`` (None when sharded: DCP saves its shards)."""
+    return {"optimizer": None if trainer.sharded else trainer.optimizer.state_dict(),
+            "kl_ctl": trainer.kl_ctl.state_dict(), "score_moments": trainer.score_moments.state_dict(),
+            "skipped_batches": trainer.skipped_batches}
+
+
+def load_trainer_state(trainer: PPOTrainer, state: dict[str, object]) -> None:
+    if state["optimizer"] is not None:
+        trainer.optimizer.load_state_dict(state["optimizer"])
+    for group in trainer.optimizer.param_groups:  # the step reads its learning rate on the device
+        group["lr"] = torch.as_tensor(group["lr"], device=trainer.device)
+    trainer.kl_ctl.load_state_dict(state["kl_ctl"])
+    trainer.score_moments.load_state_dict(state["score_moments"])
+    trainer.skipped_batches = state["skipped_batches"]
 
 
 def find_checkpoint(params: Params, models: list[str | None], policy: PolicyWithValueHead,

@@ -27,7 +27,9 @@ from rlhf.rl import ppo
 from rlhf.rl.advantages import reward_scale
 from rlhf.rl.estimators import ESTIMATORS
 from rlhf.train import ppo_update, sharding
-from rlhf.train.fit import compiles, lr_factor
+from rlhf.train.compiled import CompiledStep, compiles, mark_static_address, saved_state, skip_step_if
+from rlhf.train.fit import lr_factor
+from rlhf.train.ppo_update import F
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -80,9 +82,8 @@ class PPOTrainer:
     def __post_init__(self) -> None:
         cfg = self.cfg
         self.compiled = compiles(cfg.compile, self.device, "ppo.compile", processes=self.accelerator is not None)
-        self.sharded = self.accelerator is not None and cfg.shard  # ppo.shard: rlhf/train/sharding.py
-        if self.sharded:  # before the optimizer, which then holds each process's shards
-            sharding.shard([self.policy, self.ref_policy], self.device, self.accelerator.num_processes)
+        self.sharded = self.accelerator is not None and cfg.shard and sharding.shard(  # before the optimizer
+            [self.policy, self.ref_policy], self.device, self.accelerator.num_processes)
         # fused: one kernel over all parameters instead of a dozen passes per step; it also drops a step on the
         # device (ppo_update). The learning rate lives on the device: the step reads it there
         self.trained = [p for p in self.policy.parameters() if p.requires_grad]  # every one but a LoRA run's base
@@ -103,16 +104,22 @@ class PPOTrainer:
         self.step_precision = "bf16" if mixed_precision(self.device, self.precision) else "fp32"
         # a compiled step cannot switch the LM head's fp32 matmuls to TF32 inside its graph (policy.lm_head): under
         # bf16 on CUDA the update holds that setting around its steps, which holds it for the value head's too
-        cuda_bf16 = self.device.type == "cuda" and self.step_precision == "bf16"
-        self.head_precision = "tf32" if self.compiled and cuda_bf16 else None
-        self.loss_fn, self.clip_fn = ppo_update.minibatch_loss, ppo_update.clip_gradients
+        self.cuda_bf16 = self.device.type == "cuda" and self.step_precision == "bf16"
+        # None: eager. The compiled update's first use is checked against the eager update (``update``)
+        self.compiled_step = CompiledStep("ppo.compile", cfg.compile, self.step_precision) if self.compiled else None
+        self.step_compiled = False  # whether the update's step runs compiled now (``run_update``)
         if self.compiled:
             log.info("ppo: the update's step compiles in its first iterations (ppo.compile: %s)", cfg.compile)
-            self.loss_fn, self.clip_fn = (ppo_update.compiled(fn, self.device) for fn in (self.loss_fn, self.clip_fn))
+            self.compiled_fns = {fn: ppo_update.compiled(fn, self.device)
+                                 for fn in (ppo_update.minibatch_loss, ppo_update.clip_gradients)}
             for p in self.trained:  # gradients accumulate in place, at fixed addresses a CUDA graph can hold
                 p.grad = torch.zeros_like(p)
                 if self.device.type == "cuda":
-                    torch._dynamo.mark_static_address(p.grad)
+                    mark_static_address(p.grad)
+
+    def step_fn(self, fn: F) -> F:
+        """``fn`` (a function of ppo_update) as the update's step runs it now: compiled or eager."""
+        return self.compiled_fns[fn] if self.step_compiled else fn
 
     # --- the iteration ---------------------------------------------------------------------------------------------
 
@@ -206,7 +213,16 @@ class PPOTrainer:
                        rewards=rewards, non_score_reward=non_score_reward, kl=kl, entropy=out.entropy)
 
     def update(self, rollout: Rollout, step: int) -> dict[str, float]:
-        """``ppo_epochs`` passes over shuffled minibatches; gradients accumulate over micro-batches. Nothing in it
+        """The update on ``rollout`` (``run_update``), compiled where ppo.compile compiles it, its first compiled use
+        checked against the eager update on the same rollout and state (``CompiledStep.run``)."""
+        if self.compiled_step is None:
+            return self.run_update(rollout, step, compiled=False)
+        return self.compiled_step.run(lambda compiled: self.run_update(rollout, step, compiled),
+                                      ppo_update.update_numbers, lambda: saved_state(self.trained, self.optimizer))
+
+    def run_update(self, rollout: Rollout, step: int, compiled: bool) -> dict[str, float]:
+        """``ppo_epochs`` passes over shuffled minibatches, their step ``compiled`` or eager; gradients accumulate
+        over micro-batches. Nothing in it
         waits for the device but its one read of the stats at the end (``ppo_update.UpdateLog.read``).
 
         An optimizer step whose every mini-batch was skipped (mean ratio above ppo.ratio_threshold) is not taken:
@@ -215,12 +231,13 @@ class PPOTrainer:
         stops at the read). ``policy/skipped_steps`` counts both.
         """
         cfg = self.cfg
+        self.step_compiled = compiled
         self.wrapped_policy.train()
         B, micro, accumulate = len(rollout.scores), cfg.mini_batch_size, cfg.gradient_accumulation_steps
         # every epoch's permutation, drawn as before, goes to the device in one copy that does not wait
         orders = to_device(torch.stack([torch.randperm(B) for _ in range(cfg.ppo_epochs)]), self.device)
         stats = ppo_update.UpdateLog()
-        with cuda_matmul_precision(self.head_precision):
+        with cuda_matmul_precision("tf32" if compiled and self.cuda_bf16 else None):
             for order in orders:
                 for start in range(0, B, micro * accumulate):
                     group = []
@@ -233,10 +250,10 @@ class PPOTrainer:
         return stats.read(step, cfg.nan_policy)
 
     def minibatch_loss(self, rollout: Rollout, mb: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if self.compiled and self.device.type == "cuda":
+        if self.step_compiled and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are logged (UpdateLog.add)
-        return self.loss_fn(self.wrapped_policy, rollout.samples, rollout.experience, mb, self.cfg,
-                            self.step_precision)
+        loss_fn = self.step_fn(ppo_update.minibatch_loss)
+        return loss_fn(self.wrapped_policy, rollout.samples, rollout.experience, mb, self.cfg, self.step_precision)
 
     def optimizer_step(self, stats: ppo_update.UpdateLog, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip and apply the gradients accumulated over the mini-batches whose stats are the rows of ``group``:
@@ -245,14 +262,14 @@ class PPOTrainer:
         losses = stats.column(group, "loss/total")
         # every process must agree, or their weights would part: skipped only where all processes skipped
         skipped = self.mean_over_processes(stats.column(group, "policy/skipped").min()) == 1
-        if self.sharded or (self.accelerator is not None and self.cfg.max_grad_norm is not None):
-            clip = sharding.clip_gradients if self.sharded else self.accelerator.clip_grad_norm_  # know the sharding
-            norm = clip(self.trained, self.cfg.max_grad_norm)
+        if self.accelerator is not None and (self.sharded or self.cfg.max_grad_norm is not None):
+            norm = sharding.clip_gradients(self.trained, self.cfg.max_grad_norm)  # the norm over every process's
             dropped = ppo_update.drop_step(norm, losses, skipped)
         else:
-            norm, dropped = self.clip_fn(self.trained, self.cfg.max_grad_norm, losses, skipped)
+            clip = self.step_fn(ppo_update.clip_gradients)
+            norm, dropped = clip(self.trained, self.cfg.max_grad_norm, losses, skipped)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wraps torch's
-        optimizer.found_inf = dropped.float()
+        skip_step_if(optimizer, dropped.float())
         with sharding.scalars_replicated():
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.compiled)
@@ -278,10 +295,9 @@ class PPOTrainer:
     @contextlib.contextmanager
     def reference(self) -> Iterator[PreTrainedModel]:
         """The frozen reference: ``ref_policy``, or the policy's LM with its adapters off inside the block."""
-        lora = self.ref_policy is None
-        with (sharding.gathered(self.policy if lora else self.ref_policy),
-              adapters_disabled(self.policy.lm) if lora else contextlib.nullcontext(self.ref_policy) as reference):
-            yield reference
+        with (sharding.gathered(self.ref_policy or self.policy),
+              contextlib.nullcontext(self.ref_policy) if self.ref_policy else adapters_disabled(self.policy.lm) as lm):
+            yield lm
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.precision)
@@ -309,22 +325,6 @@ class PPOTrainer:
             "val/num_eos_tokens": rollout.samples.has_eos.sum().item(),
             "tokens/response_length": mask.sum(1).float().mean().item(),
         }
-
-    # --- checkpointing ---------------------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, object]:
-        """What a resumed run needs besides the weights and the RNG states; JSON-ready except ``optimizer``."""
-        return {"optimizer": None if self.sharded else self.optimizer.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                "score_moments": self.score_moments.state_dict(), "skipped_batches": self.skipped_batches}
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        if state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        for group in self.optimizer.param_groups:  # the step reads its learning rate on the device
-            group["lr"] = torch.as_tensor(group["lr"], device=self.device)
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.score_moments.load_state_dict(state["score_moments"])
-        self.skipped_batches = state["skipped_batches"]
 
 
 def repeat_each(items: list, k: int) -> list:

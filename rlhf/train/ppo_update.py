@@ -79,6 +79,11 @@ def clip_gradients(params: list[torch.Tensor], max_grad_norm: float | None, loss
     return norm, drop_step(norm, losses, skipped)
 
 
+def update_numbers(stats: dict[str, float]) -> dict[str, float]:
+    """What a compiled update's first use is checked on (rlhf/train/compiled.py): its losses and gradient norm."""
+    return {k: v for k, v in stats.items() if k.startswith("loss/") or k == "policy/grad_norm"}
+
+
 def nan_error(step: int, quantity: str, what: str, bad: int, total: int, always_stop: bool = False) -> TrainingError:
     """The error that stops a run at a NaN/inf ``quantity``: ``bad`` of ``total`` values at iteration ``step``.
     ``always_stop``: ppo.nan_policy skip does not skip it, so the message does not advise it."""

@@ -22,7 +22,8 @@ from rlhf.pipeline.sections import SftParams
 from rlhf.rl.logprobs import cross_entropy
 from rlhf.train import checkpoint
 from rlhf.train.batches import RandomBatches
-from rlhf.train.fit import FitPlan, FitResult, compiles, fit
+from rlhf.train.compiled import CompiledStep, compiles, saved_state
+from rlhf.train.fit import FitPlan, FitResult, fit
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +84,36 @@ def next_token_loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str = "
     return cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
-def compiled_loss() -> Callable[[PreTrainedModel, torch.Tensor, str], torch.Tensor]:
+def compiled_step(params: Params, device: torch.device) -> CompiledStep | None:
+    """The training step's compiled state where sft.compile compiles it on ``device`` (None: eager); an sft.compile
+    of true that cannot run here is an error, raised before anything trains."""
+    if not compiles(params.sft.compile, device, "sft.compile"):
+        return None
+    return CompiledStep("sft.compile", params.sft.compile,
+                        "bf16" if mixed_precision(device, params.model.precision) else "fp32")
+
+
+def compiled_loss(step: CompiledStep,
+                  trained: list[torch.Tensor]) -> Callable[[PreTrainedModel, torch.Tensor, str], torch.Tensor]:
     """``next_token_loss`` under torch.compile, whose backward is compiled with it: one graph (no break), its
     elementwise work (LayerNorm, GELU, residual adds, the loss) fused into few kernels. Shapes are static (every
-    micro-batch is sft.batch_size x sft.block_size): one compilation, on the first step."""
+    micro-batch is sft.batch_size x sft.block_size): one compilation, on the first step, whose forward and backward
+    ``step`` checks against the eager step's loss (the gradients of ``trained`` and the RNGs put back after); that
+    first micro-batch's loss is the eager one, and so is every later one where the check failed."""
     compiled = torch.compile(next_token_loss, fullgraph=True, dynamic=False)
 
     def loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str) -> torch.Tensor:
         # model.precision's auto resolved out here: its CPU probe is a call torch.compile cannot trace
-        return compiled(lm, batch, "bf16" if mixed_precision(batch.device, precision) else "fp32")
+        resolved = "bf16" if mixed_precision(batch.device, precision) else "fp32"
+        if step.compiled is None:
+            def compiled_run() -> torch.Tensor:
+                value = compiled(lm, batch, resolved)
+                value.backward()  # compiles the backward too, inside the check
+                return value
+
+            return step.first_use(compiled_run, lambda: next_token_loss(lm, batch, resolved),
+                                  lambda value: {"loss": value.item()}, lambda: saved_state(trained))
+        return compiled(lm, batch, resolved) if step.compiled else next_token_loss(lm, batch, resolved)
 
     return loss
 
@@ -113,7 +135,9 @@ def run_fingerprint(params: Params) -> str:
     """What determines an sft run: the params the stage reads (not its checkpoint interval) and the local inputs: the
     token ids it trains on (not data.source, which the tokenize stage read), the tokenizer and the models."""
     inputs = [str(TOKENS_DIR), params.model.tokenizer or "", params.model.policy, params.sft.base]
-    return checkpoint.fingerprint("sft", params, [p for p in inputs if p], exclude=("sft.checkpoint_every",))
+    # compiled and eager steps train alike (a run's first-use check holds them to it): either resumes the other
+    return checkpoint.fingerprint("sft", params, [p for p in inputs if p],
+                                  exclude=("sft.checkpoint_every", "sft.compile"))
 
 
 def tokens_per_step(s: SftParams) -> int:
@@ -121,8 +145,9 @@ def tokens_per_step(s: SftParams) -> int:
 
 
 def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: torch.device,
-          generator: torch.Generator) -> FitResult:
-    """Next-token training on blocks drawn at random (from ``generator``) until the sft.max_tokens budget is spent.
+          generator: torch.Generator, step: CompiledStep | None = None) -> FitResult:
+    """Next-token training on blocks drawn at random (from ``generator``) until the sft.max_tokens budget is spent;
+    ``step``: the compiled step's state (``compiled_step``; None: eager).
 
     Weight decay applies to the matrices only (not to biases and LayerNorm gains); with sft.checkpoint_every, a
     rerun after a kill resumes to the same result (rlhf/train/fit.py).
@@ -134,9 +159,9 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     step_loss = next_token_loss
-    if compiles(s.compile, device, "sft.compile"):
+    if step is not None:
         log.info("sft: the training step compiles in its first call (sft.compile: %s)", s.compile)
-        step_loss = compiled_loss()
+        step_loss = compiled_loss(step, trained)
 
     def loss(idx: torch.Tensor) -> torch.Tensor:
         return step_loss(lm, to_device(blocks[idx], device), params.model.precision)

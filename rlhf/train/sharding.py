@@ -30,8 +30,9 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def shard(models: list[nn.Module | None], device: torch.device, processes: int) -> None:
-    """``fully_shard`` each block of each model, then the model itself (the root), in place, over ``processes``."""
+def shard(models: list[nn.Module | None], device: torch.device, processes: int) -> bool:
+    """``fully_shard`` each block of each model, then the model itself (the root), in place, over ``processes``;
+    True."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (processes,))
@@ -42,6 +43,7 @@ def shard(models: list[nn.Module | None], device: torch.device, processes: int) 
         # FSDP2 takes the first module whose forward runs as its root; the rollout calls a block's forward before
         # the root's (the LM body, outside the policy's forward), so the root is fixed here
         model._get_fsdp_state()._lazy_init()
+    return True
 
 
 @contextlib.contextmanager
@@ -68,8 +70,8 @@ def gathered(model: nn.Module) -> Iterator[None]:
 
 
 def clip_gradients(params: list[nn.Parameter], max_grad_norm: float | None) -> torch.Tensor:
-    """Scale the sharded gradients of ``params`` to a global L2 norm of at most ``max_grad_norm`` (None: unscaled):
-    their norm before, a plain tensor every process holds alike."""
+    """Scale the gradients of ``params`` (sharded or averaged over processes) to a global L2 norm of at most
+    ``max_grad_norm`` (None: unscaled): their norm before, a plain tensor every process holds alike."""
     norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     if max_grad_norm is not None:
