@@ -115,7 +115,7 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
     from rlhf.data.prompts import check_prompts, read_prompts
     from rlhf.eval.objective import CURVE_SAMPLES, objective_probe, read_pool
     from rlhf.models.loading import context_size, load_sequence_classifier, load_trainable_policy
-    from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
+    from rlhf.models.policy import PolicyWithValueHead, checkpoint_activations, disable_dropout, save_policy
     from rlhf.models.reward_functions import load_functions
     from rlhf.models.scorers import make_reward_scorer
     from rlhf.train import checkpoint
@@ -144,6 +144,8 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
         if model is not None:
             disable_dropout(model)
     policy = PolicyWithValueHead(lm, cfg.critic, critic).to(device)
+    if params.model.gradient_checkpointing:
+        checkpoint_activations(policy)
     ref = ref.to(device) if ref is not None else None
     if is_main:
         outputs.check_free_space(POLICY_DIR, checkpoint.weights_bytes(policy))
