@@ -85,7 +85,7 @@ def main() -> None:
     from accelerate import Accelerator
 
     from rlhf.data.prompts import read_prompts
-    from rlhf.models.precision import pick_device
+    from rlhf.models.devices import pick_device
 
     prompts = read_prompts(TRAIN_PROMPTS)
     cfg = params.ppo

@@ -20,15 +20,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.models.lora import adapters_disabled
 from rlhf.models.policy import PolicyWithValueHead, head_at
 from rlhf.models.precision import autocast, cuda_matmul_precision, mixed_precision, to_device
-from rlhf.models.rollout import (
-    Samples,
-    SamplingParams,
-    decode_responses,
-    forward,
-    generate,
-    reference_at,
-    response_lengths,
-)
+from rlhf.models.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
+from rlhf.models.rollout import reference_at as reference_head_input
 from rlhf.models.scorers import Scorer
 from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl import ppo
@@ -196,7 +189,7 @@ class PPOTrainer:
         self.policy.eval()
         with self.autocast():
             with self.reference() as ref_model:
-                ref = reference_at(ref_model, samples, cfg.temperature) if full else None
+                ref = reference_head_input(ref_model, samples, cfg.temperature) if full else None
                 ref_logprobs = None if full else forward(ref_model, samples, cfg.temperature).logprobs
             out = forward(self.policy, samples, cfg.temperature, ref)
         ref_logprobs = out.ref_logprobs if full else ref_logprobs
