@@ -188,11 +188,12 @@ class PPOTrainer:
         full = exact or cfg.kl_penalty == "full"
         self.policy.eval()
         with self.autocast():
-            with self.reference() as ref_model:
+            with self.reference() as ref_model:  # full, exact: the reference's head runs in the policy's forward
                 ref = reference_head_input(ref_model, samples, cfg.temperature) if full else None
                 ref_logprobs = None if full else forward(ref_model, samples, cfg.temperature).logprobs
             out = forward(self.policy, samples, cfg.temperature, ref)
-        ref_logprobs = out.ref_logprobs if full else ref_logprobs
+        if full:
+            ref_logprobs = out.ref_logprobs
         masks = samples.response_mask
         kl = ppo.kl_penalty(out.logprobs, ref_logprobs, cfg.kl_penalty, out.kl) * masks
         # exact: a token's reward holds the KL it leads to; the KL at its own position is the update's loss term
