@@ -46,7 +46,7 @@ def problem(seed: int) -> tuple:
 def test_values_and_every_gradient_equal_the_whole_logits(chunk_elements: int | None,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     if chunk_elements is not None:
-        monkeypatch.setattr(lp, "HEAD_CHUNK_ELEMENTS", chunk_elements)
+        monkeypatch.setattr(lp, "CHUNK_ELEMENTS", chunk_elements)
     weight, ref_weight, hidden, ref_hidden, labels, weights = problem(0)
     leaves = (weight, ref_weight, hidden, ref_hidden)
 
@@ -74,7 +74,7 @@ def test_values_and_every_gradient_equal_the_whole_logits(chunk_elements: int | 
 def test_the_head_never_sees_more_than_a_chunk_of_positions(grad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """15 positions at most 4 a chunk: 4 equal chunks forward; with gradients the first 3 again in the backward, the
     last not."""
-    monkeypatch.setattr(lp, "HEAD_CHUNK_ELEMENTS", 4 * V + 1)
+    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 4 * V + 1)
     weight, _, hidden, _, labels, _ = problem(1)
     rows: list[int] = []
 
@@ -117,6 +117,6 @@ def test_the_policy_s_logprobs_kl_values_and_gradients_do_not_depend_on_the_chun
         return [out.logprobs, out.kl, out.ref_logprobs, out.values] + [p.grad.clone() for p in policy.parameters()]
 
     whole = run()
-    monkeypatch.setattr(lp, "HEAD_CHUNK_ELEMENTS", 3 * vocab)
+    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 3 * vocab)
     for ours, truth in zip(run(), whole, strict=True):
         assert_close(ours, truth)

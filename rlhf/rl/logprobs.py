@@ -22,9 +22,6 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 CHUNK_ELEMENTS = 2**24  # 64 MB per fp32 temporary: few kernel launches, bounded peak memory
-# the LM head's logits per chunk of positions (16 MB in fp32): at 64 MB the CPU allocator's free lists fragmented
-# enough to lose most of the saving (BENCHMARKS.md#the-lm-head-in-chunks)
-HEAD_CHUNK_ELEMENTS = 2**22
 
 
 def in_chunks(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], *tensors: torch.Tensor):
@@ -136,14 +133,15 @@ def head_stats(head: Head, hidden: torch.Tensor, labels: torch.Tensor,
     """(B, T, H) inputs of an LM head, (B, T) labels -> the ``TokenStats`` of the logits ``head`` ((n, H) -> (n, V))
     gives them (with ``ref``: also the exact KL to the reference and its log-probs), each value and gradient that of
     the whole (B, T, V) logits, which never exist: the head runs on equal chunks of positions of at most
-    HEAD_CHUNK_ELEMENTS logits.
+    CHUNK_ELEMENTS logits (smaller chunks cost a GPT-2 update more in the head's weight-sized work per chunk than
+    they save: BENCHMARKS.md#the-lm-head-in-chunks).
 
     With gradients each chunk but the last is checkpointed (torch.utils.checkpoint): its logits are freed after its
     statistics and computed again in the backward, so the backward holds one chunk's at a time too. The last chunk
     keeps what its backward needs, which comes first there: recomputing it would lower no peak.
     """
     positions = labels.numel()
-    chunks = -(-positions // max(1, HEAD_CHUNK_ELEMENTS // vocab_size))
+    chunks = -(-positions // max(1, CHUNK_ELEMENTS // vocab_size))
     rows = -(-positions // chunks)  # equal chunks: a ragged last one would be one more size for the allocator
     hiddens = hidden.reshape(-1, hidden.shape[-1]).split(rows)
     ref_hiddens = [None] * len(hiddens) if ref is None else ref.hidden.reshape(-1, ref.hidden.shape[-1]).split(rows)
