@@ -63,6 +63,9 @@ CONFIGS = {
     # GPT-2-medium's shape at a CPU batch (LoRA against full fine-tuning: bench.compare --peers ours-lora16)
     "bench-cpu-medium": BenchConfig("bench-cpu-medium", 24, 1024, 16, 50257, batch_size=16, mini_batch_size=8,
                                     ppo_epochs=1, new_tokens=16),
+    # a 152k vocabulary (Qwen2's) on a tiny body: the LM head's logits are nearly all of an update's memory
+    "tiny-152k": BenchConfig("tiny-152k", 2, 64, 2, 151936, batch_size=64, mini_batch_size=16, ppo_epochs=4,
+                             new_tokens=16),
     # a smoke-test size: seconds, not minutes
     "toy": BenchConfig("toy", 2, 64, 2, 50257, batch_size=8, mini_batch_size=4, ppo_epochs=1, new_tokens=8),
 }

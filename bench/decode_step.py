@@ -28,9 +28,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from bench.configs import CONFIGS, BenchConfig, gpt2_config_kwargs, set_threads, use_bf16
 from rlhf.models.decoding import SamplingParams, decode, decode_dynamic
+from rlhf.models.devices import pick_device
 from rlhf.models.loading import fast_activations
 from rlhf.models.policy import disable_dropout
-from rlhf.models.precision import autocast, pick_device
+from rlhf.models.precision import autocast
 from rlhf.models.rollout import left_pad
 from rlhf.pipeline.cli import run_stage
 

@@ -28,9 +28,10 @@ import torch
 
 from bench.configs import set_threads
 from rlhf.data.prompts import read_prompts
+from rlhf.models.devices import pick_device
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.policy import backbone_hidden, disable_dropout
-from rlhf.models.precision import autocast, full_precision, pick_device
+from rlhf.models.precision import autocast, full_precision
 from rlhf.models.rollout import Samples, SamplingParams, forward, generate
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import defaults

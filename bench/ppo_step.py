@@ -11,6 +11,7 @@ each iteration answers the first batch_size / k prompts of its batch k times eac
 gae its own critic. ``--lora-r 16`` trains LoRA adapters (model.lora's other keys at their defaults) against the
 adapters-off reference instead of every weight against a second model. ``--compile true|false`` sets ppo.compile
 (default auto, as the stage: compiled on CUDA only); the warm-up iteration pays the compilation.
+``--gradient-checkpointing``: model.gradient_checkpointing true (the update recomputes the policy's activations).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from bench.configs import (
     timed,
     use_bf16,
 )
+from rlhf.models.devices import pick_device
 from rlhf.models.loading import fast_activations, load_tokenizer
 from rlhf.models.lora import add_lora
-from rlhf.models.policy import PolicyWithValueHead, disable_dropout
-from rlhf.models.precision import pick_device
+from rlhf.models.policy import PolicyWithValueHead, checkpoint_activations, disable_dropout
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.ppo_params import PpoParams
@@ -77,7 +78,7 @@ def ppo_params(cfg: BenchConfig, args: argparse.Namespace) -> PpoParams:
 
 
 def build_trainer(cfg: BenchConfig, ppo: PpoParams, tokenizer, device: torch.device, bf16: bool,
-                  lora_r: int = 0) -> PPOTrainer:
+                  lora_r: int = 0, gradient_checkpointing: bool = False) -> PPOTrainer:
     torch.manual_seed(0)
     config = GPT2Config(**gpt2_config_kwargs(cfg, tokenizer.eos_token_id))
     lm = fast_activations(GPT2LMHeadModel(config))
@@ -90,8 +91,10 @@ def build_trainer(cfg: BenchConfig, ppo: PpoParams, tokenizer, device: torch.dev
         disable_dropout(ref)
         ref = ref.to(device)
     disable_dropout(lm)
-    return PPOTrainer(PolicyWithValueHead(lm, ppo.critic).to(device), ref, tokenizer, StandInScorer(tokenizer), ppo,
-                      device, "bf16" if bf16 else "fp32")
+    policy = PolicyWithValueHead(lm, ppo.critic).to(device)
+    if gradient_checkpointing:
+        checkpoint_activations(policy)
+    return PPOTrainer(policy, ref, tokenizer, StandInScorer(tokenizer), ppo, device, "bf16" if bf16 else "fp32")
 
 
 def main() -> None:
@@ -105,6 +108,7 @@ def main() -> None:
                         help="ppo.value_model (gae only)")
     parser.add_argument("--lora-r", type=int, default=0, help="model.lora.r (0: every weight trains)")
     parser.add_argument("--compile", choices=["auto", "true", "false"], default="auto", help="ppo.compile")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="model.gradient_checkpointing: true")
     args = parser.parse_args()
     set_threads(args.threads)
 
@@ -116,7 +120,7 @@ def main() -> None:
     tokenizer = load_tokenizer(args.tokenizer, defaults().model, what="--tokenizer")
     batches = [batch[: ppo.prompts_per_step] for batch in load_prompts(args.data, tokenizer, cfg, args.iters)]
     bf16 = use_bf16(args.precision)
-    trainer = build_trainer(cfg, ppo, tokenizer, device, bf16, args.lora_r)
+    trainer = build_trainer(cfg, ppo, tokenizer, device, bf16, args.lora_r, args.gradient_checkpointing)
 
     rows = []
     for i, batch in enumerate(batches):
@@ -143,7 +147,8 @@ def main() -> None:
                        notes=f"{ppo.advantage_estimator}, k={ppo.samples_per_prompt}; {notes}; {lora}; LM head on "
                              f"response positions only; update {'compiled' if compiled else 'eager'}")
     print(json.dumps(result | {"estimator": ppo.advantage_estimator, "samples_per_prompt": ppo.samples_per_prompt,
-                               "lora_r": args.lora_r, "compiled": compiled}))
+                               "lora_r": args.lora_r, "compiled": compiled,
+                               "gradient_checkpointing": args.gradient_checkpointing}))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ from collections.abc import Callable
 import torch
 
 from bench.configs import set_threads
-from rlhf.models.precision import autocast, mixed_precision, pick_device, to_device
+from rlhf.models.devices import pick_device
+from rlhf.models.precision import autocast, mixed_precision, to_device
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.params import read_yaml
 from rlhf.pipeline.sections import SftParams

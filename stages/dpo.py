@@ -49,9 +49,9 @@ def main() -> None:
 
 def train_dpo(params: Params, outputs: StagedOutputs) -> None:
     # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    from rlhf.models.devices import pick_device
     from rlhf.models.loading import load_initial_policy, save_pretrained
     from rlhf.models.lora import add_lora
-    from rlhf.models.precision import pick_device
     from rlhf.train import checkpoint, dpo
     from rlhf.train.rng import seed_everything
     from rlhf.train.system_use import SystemUse

@@ -30,8 +30,8 @@ from rlhf.eval.evaluation import SIDES, evaluate_policy, markdown_report
 from rlhf.eval.objective import POLICY_SAMPLES, objective_probe, read_pool
 from rlhf.eval.plots import histogram
 from rlhf.eval.scorers import load_scorers
+from rlhf.models.devices import pick_device
 from rlhf.models.loading import check_vocab_match, load_causal_lm, load_initial_policy
-from rlhf.models.precision import pick_device
 from rlhf.models.scorers import REWARD
 from rlhf.pipeline.cli import run_stage
 from rlhf.pipeline.errors import ModelError

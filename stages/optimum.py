@@ -49,8 +49,8 @@ def estimate(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.data.prompts import check_prompts, read_prompts
     from rlhf.eval import optimum
     from rlhf.eval.scorers import load_scorers
+    from rlhf.models.devices import pick_device
     from rlhf.models.loading import load_initial_policy
-    from rlhf.models.precision import pick_device
     from rlhf.models.rollout import SamplingParams, evaluation_lengths
     from rlhf.models.runs import Sampler
     from rlhf.train.rng import seed_everything

@@ -86,7 +86,7 @@ def main() -> None:
     from accelerate import Accelerator
 
     from rlhf.data.prompts import read_prompts
-    from rlhf.models.precision import pick_device
+    from rlhf.models.devices import pick_device
 
     prompts = read_prompts(TRAIN_PROMPTS)
     cfg = params.ppo
@@ -117,7 +117,7 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
     from rlhf.data.prompts import check_prompts, read_prompts
     from rlhf.eval.objective import CURVE_SAMPLES, objective_probe, read_pool
     from rlhf.models.loading import context_size, load_sequence_classifier, load_trainable_policy
-    from rlhf.models.policy import PolicyWithValueHead, disable_dropout, save_policy
+    from rlhf.models.policy import PolicyWithValueHead, checkpoint_activations, disable_dropout, save_policy
     from rlhf.models.reward_functions import load_functions
     from rlhf.models.scorers import make_reward_scorer
     from rlhf.train import checkpoint, sharding
@@ -147,6 +147,8 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
         if model is not None:
             disable_dropout(model)
     policy = PolicyWithValueHead(lm, cfg.critic, critic).to(device)
+    if params.model.gradient_checkpointing:
+        checkpoint_activations(policy)
     ref = ref.to(device) if ref is not None else None
     if is_main:
         outputs.check_free_space(POLICY_DIR, checkpoint.weights_bytes(policy))

@@ -35,8 +35,8 @@ def main() -> None:
 
 def write_reference(params: Params, outputs: StagedOutputs) -> None:
     # imported here: switched off, the stage loads none of it (stages/__init__.py)
+    from rlhf.models.devices import pick_device
     from rlhf.models.loading import load_initial_policy
-    from rlhf.models.precision import pick_device
     from rlhf.train import dpo
 
     cfg = params.dpo

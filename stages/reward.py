@@ -41,8 +41,8 @@ def train_reward(params: Params, outputs: StagedOutputs) -> None:
     # imported here: switched off, the stage loads none of it (stages/__init__.py)
     from rlhf.data.pairs import read_pairs
     from rlhf.eval.plots import histogram
+    from rlhf.models.devices import pick_device
     from rlhf.models.loading import save_pretrained
-    from rlhf.models.precision import pick_device
     from rlhf.train.checkpoint import weights_bytes
     from rlhf.train.reward_model import build, evaluate, train
     from rlhf.train.rng import seed_everything

@@ -63,8 +63,8 @@ def write_pairs(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.data.prompts import check_prompts, read_prompts
     from rlhf.data.sampled_pairs import sample_pairs
     from rlhf.models.decoding import SamplingParams
+    from rlhf.models.devices import pick_device
     from rlhf.models.loading import load_initial_policy
-    from rlhf.models.precision import pick_device
     from rlhf.models.reward_functions import load_functions
     from rlhf.models.runs import Sampler
     from rlhf.models.scorers import make_reward_scorer

@@ -41,8 +41,8 @@ def main() -> None:
 def train_sft(params: Params, outputs: StagedOutputs) -> None:
     # imported here: switched off, the stage loads none of it (stages/__init__.py)
     from rlhf.data.tokens import corpus_key, read_tokens
+    from rlhf.models.devices import pick_device
     from rlhf.models.loading import check_vocab_match, load_tokenizer, save_pretrained
-    from rlhf.models.precision import pick_device
     from rlhf.train.checkpoint import weights_bytes
     from rlhf.train.compiled import step_metrics
     from rlhf.train.rng import seed_everything

@@ -10,7 +10,8 @@ counted on its call too, so a kill can land between two renames. Without ``--at`
 ``--count FILE`` writes the number of matching calls seen to FILE at exit, so a test can draw a point among them.
 Faults: ``error`` (a RuntimeError, i.e. a bug), ``interrupt`` (Ctrl-C), ``disk-full`` (OSError ENOSPC), ``oom``
 (torch.OutOfMemoryError), ``kill`` (SIGKILL: a lost machine, exactly there), ``sigterm``, ``sighup`` (the signal, sent
-to the process itself there; one the stage ignores there lets it go on).
+to the process itself there; one the stage ignores there lets it go on), ``stop`` (SIGSTOP: the stage waits there,
+stopped, until a SIGCONT, then goes on, so a test can act while it is at a known point).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ import sys
 from pathlib import Path
 from types import CodeType, FrameType
 
-SIGNALS = {"kill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}
+SIGNALS = {"kill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP, "stop": signal.SIGSTOP}
 
 
 def fault(kind: str) -> BaseException | None:
     if kind in SIGNALS:
         os.kill(os.getpid(), SIGNALS[kind])  # a handled signal raises here, through the stage's handler
-        if signal.getsignal(SIGNALS[kind]) == signal.SIG_IGN:
+        if kind == "stop" or signal.getsignal(SIGNALS[kind]) == signal.SIG_IGN:
             return None  # the stage ignores it there: it goes on
         return RuntimeError(f"{kind}: the signal did not stop the stage")
     if kind == "oom":

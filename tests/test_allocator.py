@@ -14,7 +14,7 @@ from conftest import ROOT
 FAULTS = """
 import resource, sys, torch
 if sys.argv[1:] == ["stage"]:  # what a stage does on CPU
-    from rlhf.models.precision import pick_device
+    from rlhf.models.devices import pick_device
     assert pick_device().type == "cpu"
 n = 12 << 20  # floats: 48 MiB and 24 MiB tensors, made and freed as in a training step
 for i in range(10):

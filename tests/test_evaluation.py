@@ -13,6 +13,7 @@ import torch
 from rlhf.eval.evaluation import distinct_n, eval_metrics, markdown_report, perplexity, score_stats, sequence_kl
 from rlhf.models.scorers import REWARD, positive_threshold
 from rlhf.pipeline.sections import judge_name
+from rlhf.rl import logprobs as lp
 
 
 def brute_force_kl(logits, ref_logits, responses, mask):
@@ -35,6 +36,12 @@ def brute_force_kl(logits, ref_logits, responses, mask):
     return torch.tensor(kl), torch.tensor(kl_full)
 
 
+def sequence_kl_of(logits, ref_logits, responses, mask):
+    """``sequence_kl`` of two models' (B, T, V) logits."""
+    logprobs, ref_logprobs = lp.logprobs_from_logits(logits, responses), lp.logprobs_from_logits(ref_logits, responses)
+    return sequence_kl(logprobs, ref_logprobs, lp.full_kl(logits, ref_logits), mask)
+
+
 def test_sequence_kl_matches_brute_force_on_ragged_masks() -> None:
     g = torch.Generator().manual_seed(0)
     B, T, V = 4, 6, 11
@@ -45,7 +52,7 @@ def test_sequence_kl_matches_brute_force_on_ragged_masks() -> None:
     mask[2, :2] = False  # left padding
     mask[3, :] = False  # empty response
 
-    kl, kl_full = sequence_kl(logits, ref_logits, responses, mask)
+    kl, kl_full = sequence_kl_of(logits, ref_logits, responses, mask)
     expected_kl, expected_kl_full = brute_force_kl(logits, ref_logits, responses, mask)
 
     torch.testing.assert_close(kl, expected_kl, rtol=1e-4, atol=1e-5)
@@ -58,7 +65,7 @@ def test_sampled_kl_is_an_unbiased_estimate_of_the_exact_kl() -> None:
     V, N = 7, 40_000
     logits, ref_logits = torch.randn(1, 1, V, generator=g), torch.randn(1, 1, V, generator=g)
     samples = torch.multinomial(logits[0, 0].softmax(-1), N, replacement=True, generator=g).view(N, 1)
-    kl, kl_full = sequence_kl(logits.expand(N, 1, V), ref_logits.expand(N, 1, V), samples, torch.ones(N, 1))
+    kl, kl_full = sequence_kl_of(logits.expand(N, 1, V), ref_logits.expand(N, 1, V), samples, torch.ones(N, 1))
     exact = kl_full[0].item()
     assert exact > 0.05
     assert kl.mean().item() == pytest.approx(exact, rel=0.05)
@@ -68,7 +75,7 @@ def test_sampled_kl_is_an_unbiased_estimate_of_the_exact_kl() -> None:
 def test_kl_is_zero_for_identical_models() -> None:
     B, T, V = 3, 5, 13
     logits = torch.randn(B, T, V)
-    kl, kl_full = sequence_kl(logits, logits.clone(), torch.randint(0, V, (B, T)), torch.ones(B, T))
+    kl, kl_full = sequence_kl_of(logits, logits.clone(), torch.randint(0, V, (B, T)), torch.ones(B, T))
     assert torch.allclose(kl, torch.zeros(B), atol=1e-6)
     assert torch.allclose(kl_full, torch.zeros(B), atol=1e-6)
 

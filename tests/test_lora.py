@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf.models.loading import load_causal_lm, load_tokenizer, save_pretrained
 from rlhf.models.lora import adapters_disabled, add_lora, lora_layers
-from rlhf.models.policy import response_logits
+from rlhf.models.policy import backbone_hidden, lm_head
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.params import defaults
 from rlhf.pipeline.sections import LoraParams
@@ -37,7 +37,7 @@ def tiny(tiny_gpt2_dir: Path) -> PreTrainedModel:
 def logits(lm: PreTrainedModel) -> torch.Tensor:
     ids = torch.arange(24).view(2, 12) % lm.config.vocab_size
     with torch.no_grad():
-        return response_logits(lm, ids, torch.ones_like(ids), 5)
+        return lm_head(lm, backbone_hidden(lm.base_model, ids, torch.ones_like(ids), 5))
 
 
 def perturb(lm: PreTrainedModel) -> None:

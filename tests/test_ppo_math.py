@@ -189,12 +189,12 @@ def full_kl_loop(logits: torch.Tensor, ref_logits: torch.Tensor, i: int, t: int)
 @pytest.mark.parametrize("mode", ["kl", "abs", "mse", "k3", "full"])
 def test_kl_penalty(mode: str, chunk_elements) -> None:
     logits, ref_logits, _, logprobs, ref_logprobs = random_policies(2)
-    got = ppo.kl_penalty(logprobs, ref_logprobs, mode, logits, ref_logits)
+    got = ppo.kl_penalty(logprobs, ref_logprobs, mode, lp.full_kl(logits, ref_logits))
     for i in range(B):
         for t in range(T):
-            lp, rlp = logprobs[i, t].item(), ref_logprobs[i, t].item()
-            r = rlp - lp
-            expected = {"kl": lp - rlp, "abs": abs(lp - rlp), "mse": 0.5 * (lp - rlp) ** 2,
+            x, rx = logprobs[i, t].item(), ref_logprobs[i, t].item()
+            r = rx - x
+            expected = {"kl": x - rx, "abs": abs(x - rx), "mse": 0.5 * (x - rx) ** 2,
                         "k3": (math.exp(r) - 1) - r}.get(mode) if mode != "full" else full_kl_loop(logits, ref_logits,
                                                                                                    i, t)
             assert got[i, t].item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
@@ -202,7 +202,7 @@ def test_kl_penalty(mode: str, chunk_elements) -> None:
 
 def test_full_kl_in_float32_for_bfloat16_logits(chunk_elements) -> None:
     logits, ref_logits, _, logprobs, ref_logprobs = random_policies(6, torch.bfloat16)
-    got = ppo.kl_penalty(logprobs, ref_logprobs, "full", logits, ref_logits)
+    got = ppo.kl_penalty(logprobs, ref_logprobs, "full", lp.full_kl(logits, ref_logits))
     assert got.dtype == torch.float32
     for i in range(B):
         for t in range(T):
@@ -211,7 +211,7 @@ def test_full_kl_in_float32_for_bfloat16_logits(chunk_elements) -> None:
 
 def test_kl_penalty_bad_arguments() -> None:
     x = torch.zeros(1, 2)
-    with pytest.raises(ValueError, match="kl_penalty: mode 'full' needs logits and ref_logits"):
+    with pytest.raises(ValueError, match="kl_penalty: mode 'full' needs full_kl"):
         ppo.kl_penalty(x, x, "full")
     with pytest.raises(ValueError, match="kl_penalty: unknown mode 'k2'"):
         ppo.kl_penalty(x, x, "k2")
@@ -256,7 +256,7 @@ def test_next_position_gives_each_real_token_the_kl_after_it() -> None:
 
 def test_the_exact_estimator_s_expected_gradient_is_the_sequence_kl_s() -> None:
     """On every sequence of two tokens from three, weighed by its probability: the exact KL at each position as a
-    loss (``exact_kl``) plus each token's log-prob times the KL after it (``next_position``, summed to the end) has
+    loss (``full_kl``) plus each token's log-prob times the KL after it (``next_position``, summed to the end) has
     the gradient of KL(pi || pi_ref) over whole sequences. The KL after a token as its reward alone (full) misses the
     KL's own gradient at each position, which is what lets full's KL run away."""
     g = torch.Generator().manual_seed(0)
@@ -272,7 +272,7 @@ def test_the_exact_estimator_s_expected_gradient_is_the_sequence_kl_s() -> None:
     (truth,) = torch.autograd.grad(kl, table, retain_graph=True)
 
     mask = torch.ones(9, 2)
-    per_position = ppo.exact_kl(logits, ref_logits)
+    per_position = lp.full_kl(logits, ref_logits)
     to_come = ppo.next_position(per_position.detach(), mask).flip(1).cumsum(1).flip(1)  # the KL after each token
     score_function = (logprobs * to_come).sum(1)
     (exact,) = torch.autograd.grad((weights.detach() * (per_position.sum(1) + score_function)).sum(), table,

@@ -13,9 +13,8 @@ import pytest
 import torch
 from helpers import TokenShareScorer, batch, make_rollout, make_trainer
 
-from rlhf.models.rollout import forward, response_lengths
+from rlhf.models.rollout import forward, reference_at, response_lengths
 from rlhf.pipeline.errors import TrainingError
-from rlhf.rl import ppo
 from rlhf.rl.estimators import ESTIMATORS
 from rlhf.train.ppo_trainer import PPOTrainer
 
@@ -83,9 +82,7 @@ def test_reward_goes_up_with_lora_against_the_adapter_free_reference(adaptable_g
 def exact_kl(trainer: PPOTrainer) -> float:
     """Mean over fresh samples of the exact sequence KL(policy || reference), summed over response positions."""
     rollout = make_rollout(trainer, *batch(trainer, 64))
-    out = forward(trainer.policy, rollout.samples, 1.0, keep_logits=True)
-    ref = forward(trainer.ref_policy, rollout.samples, 1.0, keep_logits=True)
-    kl = ppo.kl_penalty(out.logprobs, ref.logprobs, "full", out.logits, ref.logits)
+    kl = forward(trainer.policy, rollout.samples, 1.0, reference_at(trainer.ref_policy, rollout.samples, 1.0)).kl
     return (kl * rollout.masks).sum(1).mean().item()
 
 

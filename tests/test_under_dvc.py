@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import dvc, project_env, set_params
 
@@ -68,6 +70,19 @@ def wait_for_checkpoint(project: Path, process: subprocess.Popen, timeout: float
         time.sleep(0.1)
 
 
+def wait_for_stopped_stage(project: Path, process: subprocess.Popen, timeout: float = 300) -> psutil.Process:
+    """The stage process that ``process`` (dvc) started, once it has stopped itself (tests/fault.py's ``stop``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, process.communicate()
+        for child in psutil.Process(process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "fault.py" in " ".join(child.cmdline()) and child.status() == psutil.STATUS_STOPPED:
+                    return child
+        assert time.monotonic() < deadline, "the stage never stopped at its first checkpoint"
+        time.sleep(0.1)
+
+
 def locked_learning_rate(project: Path) -> float:
     """ppo.learning_rate as dvc.lock records it for the ppo stage."""
     ppo = (project / "dvc.lock").read_text().split("\n  ppo:\n")[1].split("\n  sample_pairs:\n")[0]
@@ -109,10 +124,20 @@ def test_a_second_exp_run_in_the_workspace_leaves_no_run_recorded_with_its_param
 
 @pytest.mark.slow
 def test_a_stage_whose_dvc_was_killed_stops_at_its_next_checkpoint_and_the_rerun_resumes(long_ppo: Path) -> None:
+    """The stage stops itself (SIGSTOP, through tests/fault.py) as it checks for a reason to stop after its first
+    checkpoint; dvc is killed then, and the stage continued: however fast it trains, it is still running when dvc
+    goes."""
     set_params(long_ppo, **{"ppo.learning_rate": 2e-5})
+    shutil.copy(Path(__file__).parent / "fault.py", long_ppo / "fault.py")
+    wired = (long_ppo / "dvc.yaml").read_text()
+    (long_ppo / "dvc.yaml").write_text(wired.replace(
+        "cmd: python -m stages.ppo", "cmd: python fault.py ppo --kind stop --where checkpoint.py:stop_reason$ --at 1"))
     repro = start(long_ppo, "dvc", "repro", "-s", "ppo")
-    wait_for_checkpoint(long_ppo, repro)
+    stage = wait_for_stopped_stage(long_ppo, repro)
     os.kill(repro.pid, signal.SIGTERM)  # dvc alone, as `kill <pid>` does: its stage is not in the signal's way
+    repro.wait(timeout=600)
+    (long_ppo / "dvc.yaml").write_text(wired)  # the rerun runs the stage itself
+    stage.resume()
     _, stderr = repro.communicate(timeout=600)  # the stage holds dvc's pipes: this returns once it has exited too
     stopped = [line for line in stderr.splitlines() if "has exited, so it would never record this run" in line]
     assert len(stopped) == 1 and stopped[0].startswith("error: stopped after step "), stderr
@@ -147,8 +172,6 @@ def test_a_finished_run_dvc_never_recorded_ends_at_once_on_the_next_repro(ppo_pr
 
 def processes_in(folder: Path) -> list[str]:
     """The command lines of the processes whose working directory is ``folder``."""
-    import psutil
-
     found = []
     for process in psutil.process_iter(["cwd", "cmdline"]):
         if process.info["cwd"] == str(folder):

@@ -20,11 +20,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.data.prompts import Prompts
-from rlhf.models.rollout import SamplingParams, evaluation_lengths, forward
+from rlhf.models.rollout import SamplingParams, evaluation_lengths, forward, reference_at
 from rlhf.models.runs import Run, Sampler, best_of_n_run, score_run
 from rlhf.models.scorers import REWARD, Scorer, positive_threshold
 from rlhf.pipeline.params import Params
-from rlhf.rl.logprobs import logprobs_from_logits
 from rlhf.rl.ppo import kl_penalty
 from rlhf.rl.preference import best_of_n_kl
 
@@ -58,20 +57,16 @@ def score_column(scorer: str, run: str) -> str:
     return f"{scorer if scorer == REWARD else 'judge_' + scorer}_{SIDES[run]}"
 
 
-@torch.no_grad()
-def sequence_kl(logits: torch.Tensor, ref_logits: torch.Tensor, responses: torch.Tensor,
+def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, full_kl: torch.Tensor,
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence KL(pi || pi_ref) on responses sampled from pi: (sampled estimate, exact), each (B,).
 
-    logits, ref_logits: (B, T, V) at the positions that predict each response token; responses, mask: (B, T).
-    Sampled: sum_t log pi(y_t) - log pi_ref(y_t), unbiased for the sequence KL. Exact: sum_t of the full KL over the
-    vocabulary at each position, the same per-token term as ``ppo.kl_penalty="full"``.
+    logprobs, ref_logprobs: (B, T) log pi and log pi_ref of each response token; full_kl: (B, T) the KL over the
+    vocabulary at each position (``rollout.forward``'s kl, the same per-token term as ``ppo.kl_penalty="full"``);
+    mask: (B, T). Sampled: sum_t log pi(y_t) - log pi_ref(y_t), unbiased for the sequence KL. Exact: sum_t full_kl.
     """
     mask = mask.float()
-    logprobs, ref_logprobs = logprobs_from_logits(logits, responses), logprobs_from_logits(ref_logits, responses)
-    kl = kl_penalty(logprobs, ref_logprobs, "kl")
-    kl_full = kl_penalty(logprobs, ref_logprobs, "full", logits=logits, ref_logits=ref_logits)
-    return (kl * mask).sum(1), (kl_full * mask).sum(1)
+    return (kl_penalty(logprobs, ref_logprobs, "kl") * mask).sum(1), (full_kl * mask).sum(1)
 
 
 def perplexity(nll: np.ndarray, n_tokens: np.ndarray) -> float:
@@ -124,12 +119,11 @@ def response_stats(run: Run, reference: PreTrainedModel, temperature: float,
     out: dict[str, list[torch.Tensor]] = {"ref_nll": [], "n_tokens": [], "kl": [], "kl_full": []}
     for samples in run.batches:
         mask = samples.response_mask
-        ref = forward(reference, samples, 1.0, keep_logits=policy is not None)
-        out["ref_nll"].append(-(ref.logprobs * mask).sum(1))
+        out["ref_nll"].append(-(forward(reference, samples, 1.0).logprobs * mask).sum(1))
         out["n_tokens"].append(mask.sum(1))
         if policy is not None:
-            logits = forward(policy, samples, temperature, keep_logits=True).logits
-            kl, kl_full = sequence_kl(logits, ref.logits / temperature, samples.responses, mask)
+            pol = forward(policy, samples, temperature, reference_at(reference, samples, temperature))
+            kl, kl_full = sequence_kl(pol.logprobs, pol.ref_logprobs, pol.kl, mask)
             out["kl"].append(kl)
             out["kl_full"].append(kl_full)
     return {k: torch.cat(v).float().cpu().numpy() for k, v in out.items() if v}

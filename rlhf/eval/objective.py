@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.data.prompts import Prompts
 from rlhf.eval.evaluation import sequence_kl
 from rlhf.eval.optimum import MIN_ESS, SATURATION, grid
-from rlhf.models.rollout import SamplingParams, evaluation_lengths, forward
+from rlhf.models.rollout import SamplingParams, evaluation_lengths, forward, reference_at
 from rlhf.models.runs import Sampler, score_run
 from rlhf.models.scorers import REWARD, Scorer
 from rlhf.pipeline.errors import DataError
@@ -97,7 +97,7 @@ class ObjectiveProbe:
     def measure(self, policy: PreTrainedModel,
                 reference: Callable[[], contextlib.AbstractContextManager[PreTrainedModel]]) -> dict:
         """``Objective.share``'s metrics of ``policy``; ``reference()`` enters the frozen reference (a LoRA policy's is
-        itself with its adapters off, so it is entered per batch, after the policy's forward)."""
+        itself with its adapters off, so it is entered per batch, around the reference's own forward)."""
         k, temperature = self.samples, self.sampling.temperature
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
@@ -108,10 +108,10 @@ class ObjectiveProbe:
                             self.batch_size, "objective: score", run.response_ids)[REWARD]
         kl = []
         for samples in run.batches:
-            logits = forward(policy, samples, temperature, keep_logits=True).logits
             with reference() as ref_model:
-                ref_logits = forward(ref_model, samples, 1.0, keep_logits=True).logits / temperature
-            kl.append(sequence_kl(logits, ref_logits, samples.responses, samples.response_mask)[1])
+                ref = reference_at(ref_model, samples, temperature)
+            out = forward(policy, samples, temperature, ref)
+            kl.append(sequence_kl(out.logprobs, out.ref_logprobs, out.kl, samples.response_mask)[1])
         return self.objective.share(rewards.reshape(-1, k), torch.cat(kl).float().cpu().numpy().reshape(-1, k))
 
 

@@ -4,7 +4,9 @@ the LM alone for the critic-free estimators."""
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -15,6 +17,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.loading import save_pretrained
 from rlhf.models.precision import full_precision, head_grad_dtype, head_logits, head_precision
+from rlhf.rl.logprobs import Reference, TokenStats, head_stats
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -27,7 +30,8 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 class PolicyWithValueHead(nn.Module):
-    """``forward`` returns the response-slice logits (B, R, V) and values (B, R) of ``query_responses``.
+    """``forward`` returns the ``TokenStats`` (log-probs, entropies, with a reference its exact KL) and values (B, R)
+    of the response tokens of ``query_responses``.
 
     ``value_model`` (ppo.critic): 'shared' puts the value head on the LM's backbone, 'detached' too but with the
     backbone's output detached (the value loss trains the head alone), 'separate' on a copy of the backbone,
@@ -55,19 +59,19 @@ class PolicyWithValueHead(nn.Module):
             with torch.no_grad():
                 self.v_head.weight.copy_(reward_model.score.weight)
 
-    def forward(self, query_responses: torch.Tensor, attention_mask: torch.Tensor,
-                context_length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, query_responses: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
+                temperature: float = 1.0, ref: Reference | None = None) -> tuple[TokenStats, torch.Tensor | None]:
         hidden = backbone_hidden(self.lm.base_model, query_responses, attention_mask, context_length)
-        logits = lm_head(self.lm, hidden)
+        stats = response_stats(self.lm, hidden, query_responses[:, context_length:], temperature, ref)
         if self.v_head is None:
-            return logits, None
+            return stats, None
         if self.critic is not None:
             hidden = backbone_hidden(self.critic, query_responses, attention_mask, context_length)
         elif self.detached:
             hidden = hidden.detach()
         with full_precision(hidden.device):
             values = self.v_head(hidden.float()).squeeze(-1)
-        return logits, values
+        return stats, values
 
     def save_value_head(self, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """``folder``/value_head.safetensors: the value head (and separate critic) of ``state`` (this module's state
@@ -77,6 +81,20 @@ class PolicyWithValueHead(nn.Module):
         state = self.state_dict() if state is None else state
         head = {k: v.contiguous() for k, v in state.items() if k.startswith(("v_head.", "critic."))}
         save_file(head, folder / VALUE_HEAD_FILE)
+
+
+def checkpoint_activations(policy: PolicyWithValueHead) -> None:
+    """model.gradient_checkpointing: the policy's LM body (and a separate critic) keep only each block's input in a
+    training forward and recompute the block in the backward (transformers' own checkpointing, non-reentrant, which
+    needs no input that requires grad and so works under LoRA too). Inference (rollout, sampling) is unchanged."""
+    for model in (policy.lm, policy.critic):
+        if model is None:
+            continue
+        # transformers 5.x renamed it (deprecating the old name, with a warning); the project runs on either
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, folder: Path,
@@ -129,7 +147,16 @@ def lm_head(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
         return head_logits(lm.get_output_embeddings(), hidden.float(), precision, grad_dtype=grad_dtype)
 
 
-def response_logits(lm: PreTrainedModel, query_responses: torch.Tensor, attention_mask: torch.Tensor,
-                    context_length: int) -> torch.Tensor:
-    """(B, R, V) logits of a plain LM (the frozen reference) at the response positions."""
-    return lm_head(lm, backbone_hidden(lm.base_model, query_responses, attention_mask, context_length))
+def head_at(lm: PreTrainedModel, temperature: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``lm``'s LM head at ``temperature``: (n, H) -> (n, V) fp32 logits / temperature."""
+    if temperature == 1.0:  # a logits-sized copy otherwise
+        return functools.partial(lm_head, lm)
+    return lambda hidden: lm_head(lm, hidden) / temperature
+
+
+def response_stats(lm: PreTrainedModel, hidden: torch.Tensor, responses: torch.Tensor, temperature: float,
+                   ref: Reference | None = None) -> TokenStats:
+    """(B, R, H) hidden states at the positions that predict the (B, R) ``responses`` -> their ``TokenStats`` under
+    ``lm``'s head at ``temperature`` (with ``ref``: and the exact KL to it), the head run in chunks of positions."""
+    head = head_at(lm, temperature)
+    return head_stats(head, hidden, responses, lm.get_output_embeddings().weight.shape[0], ref)

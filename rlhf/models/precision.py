@@ -1,68 +1,15 @@
-"""Where and in what precision training runs: device choice, bf16 autocast, the LM head's TF32 on CUDA, and the
-head's matmuls on a vocabulary padded for the GPU's aligned kernels."""
+"""In what precision training runs: bf16 autocast, the LM head's TF32 on CUDA, and the head's matmuls on a
+vocabulary padded for the GPU's aligned kernels. Where it runs: rlhf/models/devices.py."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
-import logging
-import os
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
-
-from rlhf.models.devices import claim, lock_folder
-
-log = logging.getLogger(__name__)
-# glibc's environment variables -> its mallopt parameter (malloc.h: M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3), 1 GiB
-MALLOC_KEEP = {"MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30), "MALLOC_MMAP_THRESHOLD_": (-3, 1 << 30)}
-
-
-def pick_device() -> torch.device:
-    """CUDA when present, else CPU (with glibc keeping freed memory: ``keep_freed_memory``). On CUDA a stage process
-    holds one of the visible GPUs (CUDA_VISIBLE_DEVICES chooses which are visible), one no other stage holds where
-    there are several (rlhf/models/devices.py), and makes it torch's current device; a stage launched as several
-    processes (accelerate launch, torchrun: LOCAL_RANK set) is its launcher's to place."""
-    if not torch.cuda.is_available():
-        keep_freed_memory()
-        return torch.device("cpu")
-    if "LOCAL_RANK" in os.environ or (index := claimed_gpu()) is None:
-        return torch.device("cuda")
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-@functools.cache  # once per process
-def keep_freed_memory() -> bool:
-    """Have glibc serve blocks up to 1 GiB from its heap and keep freed memory for reuse, as docs/gpu.md's
-    environment line does: otherwise it hands a CPU training step's large tensors back to the OS, and the next step
-    faults them in afresh, page by page. Not where the environment sets either variable (it decides) or the C library
-    has no ``mallopt``; False then."""
-    if any(name in os.environ for name in MALLOC_KEEP):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return all([mallopt(param, value) for param, value in MALLOC_KEEP.values()])
-
-
-@functools.cache  # once per process: the lock, once taken, is this process's until it exits
-def claimed_gpu() -> int | None:
-    """The index (as this process numbers its visible GPUs) of the GPU this stage holds. With several visible: a free
-    one, waiting for one when all are held. With one (a single-GPU machine, or CUDA_VISIBLE_DEVICES naming one): it
-    is taken when free, so that other stages choose around it, and shared when not (None): there is no other."""
-    identities = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-    index = claim(identities, lock_folder(), wait=len(identities) > 1)
-    if len(identities) > 1:
-        log.info("GPU %d of the %d visible (%s) is this stage's", index, len(identities), identities[index])
-    return index
-
 
 CPU_BF16_PROBES = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private torch.cpu functions
 

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.decoding import decode
-from rlhf.models.policy import PolicyWithValueHead, response_logits
+from rlhf.models.policy import PolicyWithValueHead, backbone_hidden, head_at, response_stats
 from rlhf.models.sampling import SamplingParams
 from rlhf.models.texts import response_texts
-from rlhf.rl.logprobs import logprobs_and_entropy
+from rlhf.rl.logprobs import Reference
 
 
 @dataclass
@@ -126,22 +126,29 @@ class ForwardOutput:
     logprobs: torch.Tensor  # (B, R)
     values: torch.Tensor | None  # (B, R), policy only
     entropy: torch.Tensor  # (B, R)
-    logits: torch.Tensor | None  # (B, R, V), only when asked for (exact KL)
+    kl: torch.Tensor | None  # (B, R) exact KL to the reference, only when one is given
+    ref_logprobs: torch.Tensor | None  # (B, R) the reference's, only when one is given
 
 
 def forward(model: PolicyWithValueHead | PreTrainedModel, samples: Samples, temperature: float,
-            keep_logits: bool = False) -> ForwardOutput:
-    """Log-probs of the sampled response tokens (and values for the policy) at temperature ``temperature``.
+            ref: Reference | None = None) -> ForwardOutput:
+    """Log-probs of the sampled response tokens (and values for the policy) at temperature ``temperature``; with
+    ``ref`` (``reference_at``) also the exact KL to it at each position, and its log-probs.
 
     The same function serves the rollout (no grad) and the PPO update (with grad), so for an unchanged model the
     update's first ratio is exactly 1.
     """
     args = (samples.query_responses, samples.attention_mask, samples.context_length)
     if isinstance(model, PreTrainedModel):
-        logits, values = response_logits(model, *args), None
+        stats = response_stats(model, backbone_hidden(model.base_model, *args), samples.responses, temperature, ref)
+        values = None
     else:
-        logits, values = model(*args)
-    if temperature != 1.0:  # a (B, R, V) copy otherwise
-        logits = logits / temperature
-    logprobs, entropy = logprobs_and_entropy(logits, samples.responses)
-    return ForwardOutput(logprobs, values, entropy, logits if keep_logits else None)
+        stats, values = model(*args, temperature, ref)
+    return ForwardOutput(stats.logprobs, values, stats.entropy, stats.kl, stats.ref_logprobs)
+
+
+def reference_at(lm: PreTrainedModel, samples: Samples, temperature: float) -> Reference:
+    """``lm`` as the reference of a ``forward``'s exact KL on ``samples``: its head at ``temperature`` and that
+    head's input at the response positions."""
+    hidden = backbone_hidden(lm.base_model, samples.query_responses, samples.attention_mask, samples.context_length)
+    return Reference(head_at(lm, temperature), hidden)

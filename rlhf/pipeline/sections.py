@@ -80,6 +80,10 @@ class ModelParams(Section):
     precision: Literal["auto", "fp32", "bf16"]
     """Training matmuls in bf16 (autocast; PPO's LM head stays fp32, TF32 on CUDA; losses and optimizer fp32) or fp32.
     auto: bf16 on CUDA and on CPUs with native bf16 matmuls (AMX / AVX-512 BF16), fp32 elsewhere."""
+    gradient_checkpointing: bool
+    """ppo: keep only each transformer block's input from the update's forward and recompute the rest in the backward
+    (the policy's and a separate critic's blocks): the same gradients, activation memory of one block instead of every
+    block, for about one more forward of the body (BENCHMARKS.md#activation-checkpointing)."""
     lora: LoraParams
 
 

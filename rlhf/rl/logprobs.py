@@ -1,15 +1,19 @@
-"""Log-probabilities of tokens under a causal LM's logits, as pure tensor functions: per-token log-probs and
-entropies (PPO's rollout and update, evaluation's KL) and the mean next-token cross-entropy (SFT's loss).
+"""Log-probabilities of tokens under a causal LM's logits, as pure tensor functions: per-token log-probs, entropies
+and the exact KL to a reference (PPO's rollout and update, evaluation's KL; ``head_stats``, which takes the LM head's
+input and never holds more than a chunk of the logits) and the mean next-token cross-entropy (SFT's loss).
 
-Logits are (B, T, V) or (N, V) with GPT-2's V of ~50k, so every function works in at least float32 on row chunks of
-bounded size and never materialises a (B, T, V) log-softmax.
+Logits are (B, T, V) or (N, V) with a V of 50k (GPT-2) to 150k (Qwen2), so every function works in at least float32
+on row chunks of bounded size and never materialises a (B, T, V) log-softmax.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -85,6 +89,70 @@ def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[to
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """(B, T, V) logits, (B, T) labels -> (B, T) log p(label): ``logprobs_and_entropy`` without the entropy."""
     return logprobs_and_entropy(logits, labels)[0]
+
+
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits of the policy and of the reference (or their log-probs) -> (...) KL(pi || pi_ref) over the
+    vocabulary, in at least float32, differentiable in both."""
+    logp, ref_logp = F.log_softmax(upcast(logits), -1), F.log_softmax(upcast(ref_logits), -1)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)
+
+
+Head = Callable[[torch.Tensor], torch.Tensor]  # an LM head: (n, H) hidden states -> (n, V) logits
+
+
+class Reference(NamedTuple):
+    """The reference model at the policy's positions, for the exact KL: its LM head and that head's input."""
+
+    head: Head
+    hidden: torch.Tensor  # (B, T, H)
+
+
+class TokenStats(NamedTuple):
+    """Per-token statistics of a policy at the sampled tokens, each (B, T) in at least float32."""
+
+    logprobs: torch.Tensor  # log pi(label), differentiable
+    entropy: torch.Tensor  # of pi, a diagnostic without gradient
+    kl: torch.Tensor | None = None  # KL(pi || pi_ref) over the vocabulary, differentiable; with a Reference only
+    ref_logprobs: torch.Tensor | None = None  # log pi_ref(label); with a Reference only
+
+
+def _chunk_stats(head: Head, ref_head: Head | None, hidden: torch.Tensor, labels: torch.Tensor,
+                 ref_hidden: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``head_stats`` of (n, H) rows, as a tuple of (n,) tensors."""
+    logits = head(hidden)
+    logprobs, entropy = logprobs_and_entropy(logits, labels)
+    if ref_hidden is None:
+        return logprobs, entropy
+    ref_logp = F.log_softmax(upcast(ref_head(ref_hidden)), -1)
+    return logprobs, entropy, full_kl(logits, ref_logp), ref_logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def head_stats(head: Head, hidden: torch.Tensor, labels: torch.Tensor,
+               vocab_size: int, ref: Reference | None = None) -> TokenStats:
+    """(B, T, H) inputs of an LM head, (B, T) labels -> the ``TokenStats`` of the logits ``head`` ((n, H) -> (n, V))
+    gives them (with ``ref``: also the exact KL to the reference and its log-probs), each value and gradient that of
+    the whole (B, T, V) logits, which never exist: the head runs on equal chunks of positions of at most
+    CHUNK_ELEMENTS logits (smaller chunks cost a GPT-2 update more in the head's weight-sized work per chunk than
+    they save: BENCHMARKS.md#the-lm-head-in-chunks).
+
+    With gradients each chunk but the last is checkpointed (torch.utils.checkpoint): its logits are freed after its
+    statistics and computed again in the backward, so the backward holds one chunk's at a time too. The last chunk
+    keeps what its backward needs, which comes first there: recomputing it would lower no peak.
+    """
+    positions = labels.numel()
+    chunks = -(-positions // max(1, CHUNK_ELEMENTS // vocab_size))
+    rows = -(-positions // chunks)  # equal chunks: a ragged last one would be one more size for the allocator
+    hiddens = hidden.reshape(-1, hidden.shape[-1]).split(rows)
+    ref_hiddens = [None] * len(hiddens) if ref is None else ref.hidden.reshape(-1, ref.hidden.shape[-1]).split(rows)
+    ref_head = None if ref is None else ref.head
+    outs = []
+    for i, chunk in enumerate(zip(hiddens, labels.reshape(-1).split(rows), ref_hiddens, strict=True)):
+        if torch.is_grad_enabled() and i < len(hiddens) - 1:
+            outs.append(checkpoint(_chunk_stats, head, ref_head, *chunk, use_reentrant=False))
+        else:
+            outs.append(_chunk_stats(head, ref_head, *chunk))
+    return TokenStats(*(torch.cat(parts).view(labels.shape) for parts in zip(*outs, strict=True)))
 
 
 def _row_chunks(logits: torch.Tensor) -> tuple[list[slice], torch.Tensor]:

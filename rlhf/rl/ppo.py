@@ -15,8 +15,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from rlhf.rl.logprobs import in_chunks, upcast
-
 # ---------------------------------------------------------------------------------------------------------------------
 # masked statistics
 
@@ -65,20 +63,15 @@ def last_true_indices(mask: torch.Tensor) -> torch.Tensor:
 # KL
 
 
-def _chunk_full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    logp, ref_logp = F.log_softmax(upcast(logits), -1), F.log_softmax(upcast(ref_logits), -1)  # (b, T, V)
-    return (logp.exp() * (logp - ref_logp)).sum(-1)
-
-
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str = "kl",
-               logits: torch.Tensor | None = None, ref_logits: torch.Tensor | None = None) -> torch.Tensor:
+               full_kl: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) per-token estimate of KL(pi || pi_ref) at the sampled tokens.
 
     kl:  log pi - log pi_ref (k1: unbiased, can be negative per token)
     abs: |k1|;  mse: 0.5 k1^2 (k2)
     k3:  (r - 1) - log r with r = pi_ref / pi (unbiased and non-negative; http://joschu.net/blog/kl-approx.html)
-    full, exact: the exact KL over the vocabulary at each position; needs (B, T, V) ``logits`` and ``ref_logits``
-    (exact differs in how the trainer uses it: ``next_position``, ``exact_kl``).
+    full, exact: the exact KL over the vocabulary at each position, ``full_kl`` (``logprobs.head_stats``' kl), as
+    it is (exact differs in how the trainer uses it: ``next_position``, and the update's loss term).
     """
     log_ratio = logprobs - ref_logprobs
     if mode == "kl":
@@ -90,17 +83,10 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mode: str = "
     if mode == "k3":
         return torch.expm1(-log_ratio) + log_ratio  # expm1 keeps the digits exp(r) - 1 loses near r = 0
     if mode in ("full", "exact"):
-        if logits is None or ref_logits is None:
-            raise ValueError(f"kl_penalty: mode {mode!r} needs logits and ref_logits")
-        return in_chunks(_chunk_full_kl, logits, ref_logits)
+        if full_kl is None:
+            raise ValueError(f"kl_penalty: mode {mode!r} needs full_kl")
+        return full_kl
     raise ValueError(f"kl_penalty: unknown mode {mode!r} (expected kl, abs, mse, k3, full or exact)")
-
-
-def exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) logits of the policy and of the reference (or its log-probs) -> (B, T) KL(pi || pi_ref) over the
-    vocabulary at each position, differentiable in ``logits``: the exact KL whose gradient ppo.kl_penalty exact
-    takes as a loss term."""
-    return _chunk_full_kl(logits, ref_logits)
 
 
 def next_position(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -201,7 +187,7 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor | None  # None for the estimators that score a whole response
     masks: torch.Tensor  # 1 on real response tokens
-    ref_logits: torch.Tensor | None = None  # (B, T, V), ppo.kl_penalty exact only: the reference's, for its KL loss
+    ref_hidden: torch.Tensor | None = None  # (B, T, H), ppo.kl_penalty exact only: the reference's LM head input
     kl_weights: torch.Tensor | None = None  # (B,), exact only: the KL loss's weight, kl_coef in the advantages' units
 
     def __getitem__(self, idx: torch.Tensor) -> Experience:
@@ -226,9 +212,9 @@ def ppo_loss(logprobs: torch.Tensor, values: torch.Tensor | None, old: Experienc
 
     ``old.values`` None (a critic-free estimator): no value loss and no value stats. ``kl_loss_coef`` > 0 adds GRPO's
     KL term (``kl_loss``), its unweighted value logged as ``loss/kl``. ``kl``: the policy's exact per-position KL
-    (``exact_kl``, ppo.kl_penalty exact), added as the masked mean of ``old.kl_weights`` x kl, logged unweighted as
-    ``loss/exact_kl``. Stats are detached 0-dim tensors; ``loss/policy``, ``loss/value`` and ``loss/kl`` keep their
-    values when the loss is skipped.
+    (``logprobs.head_stats``' kl, ppo.kl_penalty exact), added as the masked mean of ``old.kl_weights`` x kl, logged
+    unweighted as ``loss/exact_kl``. Stats are detached 0-dim tensors; ``loss/policy``, ``loss/value`` and
+    ``loss/kl`` keep their values when the loss is skipped.
     """
     pg_loss, pg_stats = policy_loss(logprobs, old.logprobs, old.advantages, old.masks, cfg.cliprange)
     loss, stats = pg_loss, {"loss/policy": pg_loss.detach()}

@@ -70,3 +70,9 @@ class RandomBatches(Batches):
 
     def draw(self) -> torch.Tensor:
         return torch.randint(self.n, (self.batch_size,), generator=self.generator)
+
+
+def repeat_each(items: list, k: int) -> list:
+    """Each item k times in a row: [a, b] -> [a, a, b, b] for k = 2 (a prompt's samples are contiguous)."""
+    return [item for item in items for _ in range(k)]
+

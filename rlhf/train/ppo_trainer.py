@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,23 +17,27 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.lora import adapters_disabled
-from rlhf.models.policy import PolicyWithValueHead
+from rlhf.models.policy import PolicyWithValueHead, head_at
 from rlhf.models.precision import autocast, cuda_matmul_precision, mixed_precision, to_device
 from rlhf.models.rollout import Samples, SamplingParams, decode_responses, forward, generate, response_lengths
+from rlhf.models.rollout import reference_at as reference_head_input
 from rlhf.models.scorers import Scorer
 from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl import ppo
 from rlhf.rl.advantages import reward_scale
 from rlhf.rl.estimators import ESTIMATORS
 from rlhf.train import ppo_update, sharding
+from rlhf.train.batches import repeat_each
 from rlhf.train.compiled import CompiledStep, compiles, mark_static_address, saved_state, skip_step_if
 from rlhf.train.fit import lr_factor
 from rlhf.train.ppo_update import F
+from rlhf.train.system_use import Clock
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class Rollout:
@@ -100,6 +103,9 @@ class PPOTrainer:
         self.sampling = SamplingParams.of(cfg)
         if self.ref_policy is not None:
             self.ref_policy.eval().requires_grad_(False)
+        # ppo.kl_penalty exact: the update's exact KL runs the reference's head on the rollout's stored hidden states;
+        # a LoRA policy's LM head has no adapters (lora.py), so it is its reference's
+        self.ref_head = head_at(self.ref_policy or self.policy.lm, cfg.temperature)
         # model.precision resolved here: its auto probes the CPU, which torch.compile cannot trace
         self.step_precision = "bf16" if mixed_precision(self.device, self.precision) else "fp32"
         # a compiled step cannot switch the LM head's fp32 matmuls to TF32 inside its graph (policy.lm_head): under
@@ -194,21 +200,24 @@ class PPOTrainer:
         full = exact or cfg.kl_penalty == "full"
         self.policy.eval()
         with self.autocast():
-            out = forward(self.policy, samples, cfg.temperature, keep_logits=full)
-            with self.reference() as reference:
-                ref = forward(reference, samples, cfg.temperature, keep_logits=full)
+            with self.reference() as ref_model:  # full, exact: the reference's head runs in the policy's forward
+                ref = reference_head_input(ref_model, samples, cfg.temperature) if full else None
+                ref_logprobs = None if full else forward(ref_model, samples, cfg.temperature).logprobs
+            out = forward(self.policy, samples, cfg.temperature, ref)
+        if full:
+            ref_logprobs = out.ref_logprobs
         masks = samples.response_mask
-        kl = ppo.kl_penalty(out.logprobs, ref.logprobs, cfg.kl_penalty, out.logits, ref.logits) * masks
+        kl = ppo.kl_penalty(out.logprobs, ref_logprobs, cfg.kl_penalty, out.kl) * masks
         # exact: a token's reward holds the KL it leads to; the KL at its own position is the update's loss term
         rewards, non_score_reward = ppo.compute_rewards(scores, ppo.next_position(kl, masks) if exact else kl, masks,
                                                         kl_coef)
         advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(rewards, masks, out.values, cfg, kl_coef)
-        experience = ppo.Experience(logprobs=out.logprobs, ref_logprobs=ref.logprobs, values=out.values,
+        experience = ppo.Experience(logprobs=out.logprobs, ref_logprobs=ref_logprobs, values=out.values,
                                     advantages=advantages, returns=returns, masks=masks)
         if exact:
             non_score_reward = -kl_coef * kl  # the stats' penalty: every position's KL
             scale = reward_scale(cfg.advantage_estimator, rewards, masks, out.values, returns, cfg.whiten_rewards)
-            experience.ref_logits, experience.kl_weights = ref.logits, (kl_coef * scale).expand(len(scores))
+            experience.ref_hidden, experience.kl_weights = ref.hidden, (kl_coef * scale).expand(len(scores))
         return Rollout(samples=samples, queries=queries, responses=responses, scores=scores, experience=experience,
                        rewards=rewards, non_score_reward=non_score_reward, kl=kl, entropy=out.entropy)
 
@@ -253,7 +262,8 @@ class PPOTrainer:
         if self.step_compiled and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are logged (UpdateLog.add)
         loss_fn = self.step_fn(ppo_update.minibatch_loss)
-        return loss_fn(self.wrapped_policy, rollout.samples, rollout.experience, mb, self.cfg, self.step_precision)
+        return loss_fn(self.wrapped_policy, rollout.samples, rollout.experience, mb, self.cfg, self.step_precision,
+                       self.ref_head)
 
     def optimizer_step(self, stats: ppo_update.UpdateLog, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip and apply the gradients accumulated over the mini-batches whose stats are the rows of ``group``:
@@ -326,25 +336,3 @@ class PPOTrainer:
             "tokens/response_length": mask.sum(1).float().mean().item(),
         }
 
-
-def repeat_each(items: list, k: int) -> list:
-    """Each item k times in a row: [a, b] -> [a, a, b, b] for k = 2 (a prompt's samples are contiguous)."""
-    return [item for item in items for _ in range(k)]
-
-
-class Clock:
-    """Wall times of named phases (``with clock("generate"): ...``, then ``clock.timings``); on CUDA each phase waits
-    for its queued kernels, so it gets its own time."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda, self.timings = device.type == "cuda", {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        if self.cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        yield
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start

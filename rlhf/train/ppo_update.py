@@ -24,6 +24,7 @@ from rlhf.models.rollout import Samples, forward
 from rlhf.pipeline.errors import TrainingError
 from rlhf.pipeline.ppo_params import PpoParams
 from rlhf.rl import ppo
+from rlhf.rl.logprobs import Reference
 
 PROMPT_BUCKET = 8  # compiled: prompts left-padded to a multiple of this many tokens, so a few shapes compile in all
 
@@ -45,15 +46,17 @@ def static_layout(samples: Samples, response_tokens: int, pad_id: int) -> Sample
 
 
 def minibatch_loss(policy: torch.nn.Module, samples: Samples, experience: ppo.Experience, mb: torch.Tensor,
-                   cfg: PpoParams, precision: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   cfg: PpoParams, precision: str,
+                   ref_head: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO loss of the rows ``mb`` of a rollout under the current ``policy``, and its stats (detached 0-dim
     tensors). ``precision``: model.precision resolved, 'bf16' or 'fp32' (its auto probes the CPU, which
-    torch.compile cannot trace)."""
+    torch.compile cannot trace). ``ref_head``: the reference's LM head at ppo.temperature, for the exact KL of
+    ppo.kl_penalty exact on the rollout's ``ref_hidden``."""
     old = experience[mb]
+    ref = None if old.ref_hidden is None else Reference(ref_head, old.ref_hidden)
     with autocast(mb.device, precision):
-        out = forward(policy, samples[mb], cfg.temperature, keep_logits=old.ref_logits is not None)
-    kl = None if old.ref_logits is None else ppo.exact_kl(out.logits, old.ref_logits)
-    loss, stats = ppo.ppo_loss(out.logprobs, out.values, old, cfg, kl)
+        out = forward(policy, samples[mb], cfg.temperature, ref)
+    loss, stats = ppo.ppo_loss(out.logprobs, out.values, old, cfg, out.kl)
     stats["policy/entropy"] = ppo.masked_mean(out.entropy, old.masks)
     # TRL 0.11's ppo/val/mean and ppo/returns/mean: the mean over mini-batches of each one's masked mean
     if old.values is not None:

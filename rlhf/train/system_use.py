@@ -12,10 +12,12 @@ stays empty and the summary has no ``gpu_busy``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -113,3 +115,22 @@ class SystemUse:
         writer.writeheader()
         writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in self.rows)
         write_text(text.getvalue(), path)
+
+
+class Clock:
+    """Wall times of named phases (``with clock("generate"): ...``, then ``clock.timings``); on CUDA each phase waits
+    for its queued kernels, so it gets its own time."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch  # the module reads the machine without it; a device means torch is loaded
+
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+        self.timings: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.sync()
+        start = time.perf_counter()
+        yield
+        self.sync()
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
