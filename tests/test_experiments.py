@@ -75,7 +75,7 @@ def test_repro_then_experiments_rerun_only_what_changed(project: Path, imdb_dir:
     lines = table.splitlines()
     assert max(map(len, lines)) <= 120, table
     assert lines[0].split() == ["experiment", "method", "reward", judge, "vader", "KL", "obj", "ppl", "dist-2",
-                                "train", "gpu", "changed"]
+                                "train", "gpu", "compiled", "changed"]
     rows: dict[str, list[str]] = {}
     for line in lines[1:lines.index("")]:
         if line.startswith("    "):  # the changed params, wrapped
@@ -95,8 +95,9 @@ def test_repro_then_experiments_rerun_only_what_changed(project: Path, imdb_dir:
     assert rows["kl-low"][11] == f"{kl_low['metrics/ppo.json']['data']['ppo']['seconds']:.0f}"
     assert rows["kl-low"][12] == "-"  # the share of the training time the GPU was busy: no GPU here
     assert kl_low["metrics/ppo.json"]["data"]["ppo"]["system"]["cpu_cores"] > 0
-    assert rows["kl-low"][13:] == ["ppo.init_kl_coef=0.05"] and rows["master"][13:] == []
-    assert rows["greedy"][13:] == rows["workspace"][13:] == ["ppo.init_kl_coef=0.05", "evaluate.greedy=true"]
+    assert {row[13] for row in rows.values()} == {"eager"}  # ppo.compile: auto compiles nothing on a CPU
+    assert rows["kl-low"][14:] == ["ppo.init_kl_coef=0.05"] and rows["master"][14:] == []
+    assert rows["greedy"][14:] == rows["workspace"][14:] == ["ppo.init_kl_coef=0.05", "evaluate.greedy=true"]
 
     plots = json.loads(dvc(project, "plots", "diff", "HEAD", "kl-low", "--json", "--split").stdout)
     assert not plots.get("errors"), plots["errors"]
