@@ -85,8 +85,9 @@ class PPOTrainer:
     def __post_init__(self) -> None:
         cfg = self.cfg
         self.compiled = compiles(cfg.compile, self.device, "ppo.compile", processes=self.accelerator is not None)
-        self.sharded = self.accelerator is not None and cfg.shard and sharding.shard(  # before the optimizer
-            [self.policy, self.ref_policy], self.device, self.accelerator.num_processes)
+        self.sharded = self.accelerator is not None and cfg.shard
+        if self.sharded:  # before the optimizer
+            sharding.shard([self.policy, self.ref_policy], self.device, self.accelerator.num_processes)
         # fused: one kernel over all parameters instead of a dozen passes per step; it also drops a step on the
         # device (ppo_update). The learning rate lives on the device: the step reads it there
         self.trained = [p for p in self.policy.parameters() if p.requires_grad]  # every one but a LoRA run's base

@@ -30,9 +30,8 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def shard(models: list[nn.Module | None], device: torch.device, processes: int) -> bool:
-    """``fully_shard`` each block of each model, then the model itself (the root), in place, over ``processes``;
-    True."""
+def shard(models: list[nn.Module | None], device: torch.device, processes: int) -> None:
+    """``fully_shard`` each block of each model, then the model itself (the root), in place, over ``processes``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (processes,))
@@ -43,7 +42,6 @@ def shard(models: list[nn.Module | None], device: torch.device, processes: int) 
         # FSDP2 takes the first module whose forward runs as its root; the rollout calls a block's forward before
         # the root's (the LM body, outside the policy's forward), so the root is fixed here
         model._get_fsdp_state()._lazy_init()
-    return True
 
 
 @contextlib.contextmanager
