@@ -15,6 +15,7 @@ from helpers import run
 from safetensors.torch import load_file
 
 from bench.sizing import optimizer_held_bytes
+from rlhf.train import sharding
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # accelerate's CPU launcher starts a single process
 SHARDED = {"ppo.shard": True, "ppo.max_grad_norm": 1.0}  # clipping too: the norm is gathered over the shards
@@ -120,3 +121,21 @@ def test_dvc_repro_runs_the_sharded_stage_through_its_launcher(ppo_project: Path
     dvc(ppo_project, "repro", "-s", "ppo")
     assert json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]["processes"] == 2
     assert "models/policy" in (ppo_project / "dvc.lock").read_text()
+
+
+def test_the_root_is_fixed_through_fsdp2s_private_state() -> None:
+    """make_root reaches into FSDP2's private state: in one process, a model whose block's forward runs first keeps
+    the model as its root (this fails when torch moves that state)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(model[0])
+        fully_shard(model)
+        sharding.make_root(model)
+        model[0](torch.ones(1, 4))  # a block's forward first, as the rollout's
+        assert model._get_fsdp_state()._is_root and not model[0]._get_fsdp_state()._is_root
+    finally:
+        dist.destroy_process_group()

@@ -39,9 +39,14 @@ def shard(models: list[nn.Module | None], device: torch.device, processes: int) 
         for block in blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        # FSDP2 takes the first module whose forward runs as its root; the rollout calls a block's forward before
-        # the root's (the LM body, outside the policy's forward), so the root is fixed here
-        model._get_fsdp_state()._lazy_init()
+        make_root(model)
+
+
+def make_root(model: FSDPModule) -> None:
+    """Make the sharded ``model`` the root of its FSDP2 units now. FSDP2 takes the first unit whose forward runs as
+    the root; the rollout calls a block's forward before the root's (the LM body, outside the policy's forward).
+    Through FSDP2's private state (``_get_fsdp_state()._lazy_init()``), which torch has no public call for."""
+    model._get_fsdp_state()._lazy_init()
 
 
 @contextlib.contextmanager
