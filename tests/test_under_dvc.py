@@ -95,16 +95,24 @@ def test_a_second_exp_run_in_the_workspace_leaves_no_run_recorded_with_its_param
                                                                                  tmp_path: Path) -> None:
     """While DVC runs ppo (its repository lock released), ``dvc exp run -S`` writes its value into params.yaml and
     fails on DVC's lock of ppo's outputs; the first run, its params changed under it, records nothing; with them
-    restored, ``dvc repro`` ends the run at once from its last checkpoint and records it with its own params."""
+    restored, ``dvc repro`` ends the run at once from its last checkpoint and records it with its own params. The
+    stage stops itself at its first checkpoint's check (tests/fault.py) until the second run has failed: on a busy
+    machine it could otherwise finish first."""
     inputs = ("data/prompts", "data/optimum", "models/sft", "models/reward")
     for name in inputs:
         shutil.copytree(long_ppo / name, tmp_path / name)
     set_params(long_ppo, **{"ppo.learning_rate": 1e-4})
+    shutil.copy(Path(__file__).parent / "fault.py", long_ppo / "fault.py")
+    wired = (long_ppo / "dvc.yaml").read_text()
+    (long_ppo / "dvc.yaml").write_text(wired.replace(
+        "cmd: python -m stages.ppo", "cmd: python fault.py ppo --kind stop --where checkpoint.py:stop_reason$ --at 1"))
     first = start(long_ppo, "dvc", "repro", "-s", "ppo")
-    wait_for_checkpoint(long_ppo, first)
+    stage = wait_for_stopped_stage(long_ppo, first)
     second = dvc(long_ppo, "exp", "run", "-s", "ppo", "-S", "ppo.learning_rate=2e-4", check=False)
     assert second.returncode != 0 and "is busy, it is being blocked by" in second.stderr, second.stderr
     assert "learning_rate: 0.0002" in (long_ppo / "params.yaml").read_text()
+    (long_ppo / "dvc.yaml").write_text(wired)  # the rerun runs the stage itself
+    stage.resume()
     _, stderr = first.communicate(timeout=600)
     assert first.returncode != 0 and "Traceback" not in stderr
     changed = [line for line in stderr.splitlines() if line.startswith("error: params.yaml changed while ppo ran")]
