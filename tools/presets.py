@@ -8,7 +8,6 @@ import argparse
 import contextlib
 import copy
 import filecmp
-import os
 import re
 import shutil
 import signal
@@ -206,17 +205,18 @@ def stop_dvc(pid: int, signum: int) -> None:
     """Stop the dvc process ``pid`` as Ctrl-C in its terminal would: SIGINT to dvc (between stages it stops; while a
     stage runs it ignores SIGINT and waits for the stage) and ``signum`` to the stage, which keeps its checkpoint and
     says so. Ctrl-C already reached both from the terminal; a SIGTERM or SIGHUP sent to this process alone did not.
-    DVC runs a stage's command as ``$SHELL -c`` (/bin/sh without SHELL); a shell that waits for it rather than exec
-    it (dash) is left alone: signalled, it dies at once, and DVC reports the stage failed before the stage has said
-    what it kept. It exits with its command's status."""
+    DVC runs a stage's command as ``$SHELL -c`` (its get_executable: /bin/sh without SHELL); a shell that waits for
+    it rather than exec it (dash) is left alone: signalled, it dies at once, and DVC reports the stage failed before
+    the stage has said what it kept. It exits with its command's status."""
     import psutil
+    from dvc.stage.run import get_executable
 
-    shell = os.environ.get("SHELL") or "/bin/sh"
+    shell = get_executable()
     with contextlib.suppress(psutil.Error):
         dvc = psutil.Process(pid)
         for process in [dvc, *dvc.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
-                if process.cmdline()[:1] == [shell] and "-c" in process.cmdline():
+                if (command := process.cmdline())[:1] == [shell] and "-c" in command:
                     continue
                 process.send_signal(signal.SIGINT if process is dvc else signum)
 
