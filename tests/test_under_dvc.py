@@ -71,6 +71,19 @@ def wait_for_checkpoint(project: Path, process: subprocess.Popen, timeout: float
         time.sleep(0.1)
 
 
+# tests/fault.py's stop: the stage stops itself (SIGSTOP) as it checks for a reason to stop after its first checkpoint
+STOP_AT_FIRST_CHECK = "--kind stop --where checkpoint.py:stop_reason$ --at 1"
+
+
+def ppo_under_fault(project: Path, fault: str) -> str:
+    """Make ppo's command in ``project``'s dvc.yaml tests/fault.py's ``fault`` around the stage; the dvc.yaml as it
+    was (to write back for a rerun that runs the stage itself)."""
+    shutil.copy(Path(__file__).parent / "fault.py", project / "fault.py")
+    wired = (project / "dvc.yaml").read_text()
+    (project / "dvc.yaml").write_text(wired.replace("cmd: python -m stages.ppo", f"cmd: python fault.py ppo {fault}"))
+    return wired
+
+
 def wait_for_stopped_stage(project: Path, process: subprocess.Popen, timeout: float = 300) -> psutil.Process:
     """The stage process that ``process`` (dvc) started, once it has stopped itself (tests/fault.py's ``stop``)."""
     deadline = time.monotonic() + timeout
@@ -102,10 +115,7 @@ def test_a_second_exp_run_in_the_workspace_leaves_no_run_recorded_with_its_param
     for name in inputs:
         shutil.copytree(long_ppo / name, tmp_path / name)
     set_params(long_ppo, **{"ppo.learning_rate": 1e-4})
-    shutil.copy(Path(__file__).parent / "fault.py", long_ppo / "fault.py")
-    wired = (long_ppo / "dvc.yaml").read_text()
-    (long_ppo / "dvc.yaml").write_text(wired.replace(
-        "cmd: python -m stages.ppo", "cmd: python fault.py ppo --kind stop --where checkpoint.py:stop_reason$ --at 1"))
+    wired = ppo_under_fault(long_ppo, STOP_AT_FIRST_CHECK)
     first = start(long_ppo, "dvc", "repro", "-s", "ppo")
     stage = wait_for_stopped_stage(long_ppo, first)
     second = dvc(long_ppo, "exp", "run", "-s", "ppo", "-S", "ppo.learning_rate=2e-4", check=False)
@@ -137,10 +147,7 @@ def test_a_stage_whose_dvc_was_killed_stops_at_its_next_checkpoint_and_the_rerun
     checkpoint; dvc is killed then, and the stage continued: however fast it trains, it is still running when dvc
     goes."""
     set_params(long_ppo, **{"ppo.learning_rate": 2e-5})
-    shutil.copy(Path(__file__).parent / "fault.py", long_ppo / "fault.py")
-    wired = (long_ppo / "dvc.yaml").read_text()
-    (long_ppo / "dvc.yaml").write_text(wired.replace(
-        "cmd: python -m stages.ppo", "cmd: python fault.py ppo --kind stop --where checkpoint.py:stop_reason$ --at 1"))
+    wired = ppo_under_fault(long_ppo, STOP_AT_FIRST_CHECK)
     repro = start(long_ppo, "dvc", "repro", "-s", "ppo")
     stage = wait_for_stopped_stage(long_ppo, repro)
     os.kill(repro.pid, signal.SIGTERM)  # dvc alone, as `kill <pid>` does: its stage is not in the signal's way
@@ -163,11 +170,8 @@ def test_a_finished_run_dvc_never_recorded_ends_at_once_on_the_next_repro(ppo_pr
     tests/fault.py as the stage's command): DVC records nothing, and the next ``dvc repro`` removes the outputs and
     reruns it, which resumes after the last step and writes the same weights and rollouts without training."""
     committed(ppo_project)
-    shutil.copy(Path(__file__).parent / "fault.py", ppo_project / "fault.py")
-    wired = (ppo_project / "dvc.yaml").read_text()
     after_main = r"^c:_signal\.signal$ --at 4"  # run_stage: 3 stop signals handled before main, ignored after
-    (ppo_project / "dvc.yaml").write_text(wired.replace(
-        "cmd: python -m stages.ppo", f"cmd: python fault.py ppo --kind kill --where {after_main}"))
+    wired = ppo_under_fault(ppo_project, f"--kind kill --where {after_main}")
     killed = dvc(ppo_project, "repro", "-s", "ppo", check=False)
     assert killed.returncode != 0 and "fault: kill at call 4" in killed.stderr, killed.stderr
     assert not (ppo_project / "dvc.lock").exists()
