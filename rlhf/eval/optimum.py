@@ -11,16 +11,21 @@ log N (the most any reweighting of N samples can reach).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
 
-from rlhf.models.runs import Sampler, score_run
-from rlhf.models.scorers import REWARD, Scorer, positive_threshold
 from rlhf.pipeline.errors import PipelineError
 from rlhf.rl import optimum as opt
 from rlhf.rl.preference import best_of_n_kl
+
+# The models layer (transformers: seconds to import) loads where a pool is drawn or scored, not with this module: the
+# frontier tool reads only the tables, and starts once per call.
+if TYPE_CHECKING:
+    from rlhf.models.runs import Sampler
+    from rlhf.models.scorers import Scorer
 
 BETAS = np.geomspace(10.0, 0.01, 61)  # from next to the reference to far past any pool's saturation
 MIN_ESS = 10.0
@@ -55,6 +60,8 @@ def draw_pool(reference: Sampler, query_ids: list[list[int]], lengths: list[int]
 
 def score_pool(pool: pd.DataFrame, queries: list[str], scorers: dict[str, Scorer], batch_size: int) -> pd.DataFrame:
     """The pool with one column of scores per scorer (``reward`` and each judge's name) and without its token ids."""
+    from rlhf.models.runs import score_run
+
     scores = score_run(scorers, [queries[p] for p in pool["prompt"]], pool["response"].tolist(), batch_size,
                        "score the pool", pool["response_ids"].tolist())
     return pool.drop(columns="response_ids").assign(**{name: values.astype(np.float32)
@@ -74,8 +81,17 @@ def grid(pool: pd.DataFrame, column: str) -> torch.Tensor:
     return torch.tensor(pool.sort_values(["prompt", "sample"])[column].to_numpy(np.float64)).view(-1, n)
 
 
+def reward_grid(pool: pd.DataFrame) -> torch.Tensor:
+    """(P, N) the training reward's scores (``grid``), which the optimum's weights come from."""
+    from rlhf.models.scorers import REWARD
+
+    return grid(pool, REWARD)
+
+
 def scorer_stats(weights: torch.Tensor, pool: pd.DataFrame, scorers: list[str]) -> dict[str, float]:
     """Each scorer's positive rate and mean under per-prompt ``weights``, averaged over prompts."""
+    from rlhf.models.scorers import positive_threshold
+
     stats = {}
     for name in scorers:
         values = grid(pool, name)
@@ -87,7 +103,7 @@ def scorer_stats(weights: torch.Tensor, pool: pd.DataFrame, scorers: list[str]) 
 def curve(pool: pd.DataFrame, scorers: list[str], betas: np.ndarray = BETAS) -> pd.DataFrame:
     """One row per beta (and beta = inf, the reference): KL, the median and least effective sample size, whether the
     estimate is reliable, and every scorer's positive rate and mean; KL increasing down the table."""
-    rewards, n = grid(pool, REWARD), int(pool["sample"].max()) + 1
+    rewards, n = reward_grid(pool), int(pool["sample"].max()) + 1
     uniform = torch.full_like(rewards, 1.0 / n)
     rows = [{"beta": math.inf, "kl": 0.0, "ess_median": float(n), "ess_min": float(n), "reliable": True,
              **scorer_stats(uniform, pool, scorers)}]
@@ -104,7 +120,7 @@ def curve(pool: pd.DataFrame, scorers: list[str], betas: np.ndarray = BETAS) -> 
 def best_of_n(pool: pd.DataFrame, scorers: list[str]) -> pd.DataFrame:
     """One row per n = 1, 2, 4, ... up to N: the KL bound log n - (n-1)/n, the selection's KL estimate from the pool,
     and every scorer's expected positive rate and mean (exact order statistics over n-subsets of the pool)."""
-    rewards, n_max = grid(pool, REWARD), int(pool["sample"].max()) + 1
+    rewards, n_max = reward_grid(pool), int(pool["sample"].max()) + 1
     rows = []
     for n in [2**k for k in range(int(math.log2(n_max)) + 1)]:
         weights = opt.best_of_n_weights(rewards, n)
