@@ -174,7 +174,8 @@ def run(params: Params, prompts: Prompts, initial: InitialPolicy, reward: tuple[
     # sharded: every process takes part in gathering the weights, which the main one writes
     whole = sharding.full_state_dict(trainer.policy) if trainer.sharded else None
     if is_main:
-        save_policy(trainer.policy, tokenizer, outputs[POLICY_DIR], whole)
+        with trainer.averaged():  # ppo.ema_decay: the average is the policy written
+            save_policy(trainer.policy, tokenizer, outputs[POLICY_DIR], whole)
         # the training time of every step (those before a resume too), every process's samples, the last objective
         seconds = time.perf_counter() - start
         samples = cfg.steps * cfg.batch_size * accelerator.num_processes
@@ -254,7 +255,7 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                 bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
             if (step + 1) % chunk == 0 or step + 1 == cfg.steps:
                 if probe is not None:  # every process: a sharded policy's forward needs them all
-                    with trainer.autocast(), sharding.gathered(trainer.policy):
+                    with trainer.autocast(), sharding.gathered(trainer.policy), trainer.averaged():
                         measured = probe.measure(trainer.policy.lm, trainer.reference)
                     if is_main:
                         log_objective(live, measured, (step + 1) * cfg.batch_size * accelerator.num_processes)

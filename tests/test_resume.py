@@ -38,7 +38,8 @@ from stages import ppo as ppo_stage
 
 CHECKPOINTS = "data/checkpoints/ppo"
 STEPS = 40  # steps are short next to the process's start-up, so it takes many for a kill to land mid-run
-RESUMABLE = TINY | {"ppo.steps": STEPS, "ppo.checkpoint_every": 3}  # the last chunk is one step: not a boundary
+# the last chunk is one step: not a boundary; the policy written is the weights' average, which a resume must restore
+RESUMABLE = TINY | {"ppo.steps": STEPS, "ppo.checkpoint_every": 3, "ppo.ema_decay": 0.9}
 # the only values allowed to differ between runs: wall times and the machine use measured beside them
 WALL_TIME = ("time/", "throughput/", "seconds", "system")
 

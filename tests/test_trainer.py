@@ -154,6 +154,30 @@ def test_lr_zero_leaves_the_policy_bit_identical(tiny_gpt2_dir: Path) -> None:
         assert torch.equal(tensor, before[name]), name
 
 
+def test_the_averaged_policy_is_the_moving_average_of_the_trained_weights(tiny_gpt2_dir: Path) -> None:
+    """ppo.ema_decay d: after step t the average is d * average + (1 - d) * weights_t, from the initial weights,
+    written from the trained weights step by step here; ``averaged`` puts it in the policy and the trained weights
+    back after."""
+    d = 0.6
+    trainer = make_trainer(tiny_gpt2_dir, ema_decay=d)
+    names = [name for name, p in trainer.policy.named_parameters() if p.requires_grad]
+    expected = {name: p.detach().clone() for name, p in trainer.policy.named_parameters() if p.requires_grad}
+    for step in range(3):
+        trainer.step(*batch(trainer), step=step)
+        for name, p in trainer.policy.named_parameters():
+            if p.requires_grad:
+                expected[name] = d * expected[name] + (1 - d) * p.detach()
+    trained = copy.deepcopy(trainer.policy.state_dict())
+    with trainer.averaged():
+        inside = dict(trainer.policy.named_parameters())
+        for name in names:
+            torch.testing.assert_close(inside[name].detach(), expected[name], rtol=1e-5, atol=1e-7)
+        moved = max((inside[name] - trained[name]).abs().max().item() for name in names)
+        assert moved > 1e-4  # three steps at lr 3e-3 leave the average visibly behind the weights
+    for name, tensor in trainer.policy.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+
+
 @pytest.mark.parametrize("decay", ["constant", "linear", "cosine"])
 def test_the_learning_rate_follows_its_schedule_from_the_step_alone(tiny_gpt2_dir: Path, decay: str) -> None:
     """Warmup then decay, set from the iteration's number: the optimizer steps with it (a resumed run, which starts

@@ -70,6 +70,11 @@ class PpoParams(Section):
     mini-batch is skipped is not taken (policy/skipped_steps)."""
     max_grad_norm: float | None = Field(gt=0)
     """Gradient-norm clip of each optimizer step (null: no clipping; the norm is still logged)."""
+    ema_decay: float | None = Field(gt=0, lt=1)
+    """The policy written (models/policy) and measured on the pool's prompts (the objective curve) is an exponential
+    moving average of the trained weights, from the initial ones, w <- d w + (1 - d) w_trained after each step
+    (Polyak averaging: it keeps the trend and averages out the steps' noise); the rollouts still sample the trained
+    weights. null: the trained weights themselves. Not with ppo.shard."""
     use_score_scaling: bool
     """Divide scores by their running standard deviation."""
     use_score_norm: bool
@@ -141,6 +146,8 @@ class PpoParams(Section):
         if self.kl_penalty == "exact" and not estimator.reward_units:
             raise Rule("kl_penalty", f"exact needs an estimator whose advantages keep one scale of the rewards (not "
                                      f"{name})", self.kl_penalty)
+        if self.ema_decay is not None and self.shard:
+            raise Rule("ema_decay", "must be null with ppo.shard: true (the average is not sharded)", self.ema_decay)
         if self.value_model in ("separate", "reward") and not estimator.trains_critic:
             raise Rule("value_model", f"must be 'shared' with ppo.advantage_estimator {name}, which trains no "
                                       "critic (a separate critic would never be used)", self.value_model)

@@ -78,8 +78,8 @@ class Checkpointing:
         if not accelerator.is_main_process:
             return
         state = trainer_state(trainer)
-        optimizer_state = state.pop("optimizer")
-        checkpoint.save(self.folder, step, None if shards else trainer.policy, optimizer_state,
+        tensors = state.pop("tensors")
+        checkpoint.save(self.folder, step, None if shards else trainer.policy, tensors,
                         {"fingerprint": self.fingerprint, "trainer": state, "data": order.state_dict(), "rng": states,
                          "live_step": live_step, "last_stats": last, "seconds": time.perf_counter() - self.start},
                         self.files, shards)
@@ -99,29 +99,34 @@ class Checkpointing:
                 accelerator: Accelerator) -> None:
         if accelerator.is_main_process:
             checkpoint.restore_files(found, self.files)
-        optimizer = None
+        tensors = None
         if trainer.sharded:
             sharding.load(found.path, trainer.policy, trainer.optimizer)
         else:
             checkpoint.load_weights(found, trainer.policy)
-            optimizer = checkpoint.load_optimizer_state(found)
-        load_trainer_state(trainer, {**found.state["trainer"], "optimizer": optimizer})
+            tensors = checkpoint.load_optimizer_state(found)
+        load_trainer_state(trainer, {**found.state["trainer"], "tensors": tensors})
         order.load_state_dict(found.state["data"])
         rng.set_rng_states(found.state["rng"][accelerator.process_index], {"length": trainer.length_generator})
         self.start -= found.state["seconds"]
 
 
 def trainer_state(trainer: PPOTrainer) -> dict[str, object]:
-    """What a resumed run needs of the trainer besides the weights and the RNG states; JSON-ready except
-    ``optimizer`` (None when sharded: DCP saves its shards)."""
-    return {"optimizer": None if trainer.sharded else trainer.optimizer.state_dict(),
+    """What a resumed run needs of the trainer besides the weights and the RNG states; JSON-ready except ``tensors``:
+    the optimizer's state and the averaged weights (ppo.ema_decay; None without), or None when sharded (DCP saves
+    the optimizer's shards)."""
+    tensors = {"optimizer": trainer.optimizer.state_dict(), "average": trainer.average}
+    return {"tensors": None if trainer.sharded else tensors,
             "kl_ctl": trainer.kl_ctl.state_dict(), "score_moments": trainer.score_moments.state_dict(),
             "skipped_batches": trainer.skipped_batches}
 
 
 def load_trainer_state(trainer: PPOTrainer, state: dict[str, object]) -> None:
-    if state["optimizer"] is not None:
-        trainer.optimizer.load_state_dict(state["optimizer"])
+    if (tensors := state["tensors"]) is not None:
+        trainer.optimizer.load_state_dict(tensors["optimizer"])
+        with torch.no_grad():
+            for average, saved in zip(trainer.average or [], tensors["average"] or [], strict=True):
+                average.copy_(saved)
     for group in trainer.optimizer.param_groups:  # the step reads its learning rate on the device
         group["lr"] = torch.as_tensor(group["lr"], device=trainer.device)
     trainer.kl_ctl.load_state_dict(state["kl_ctl"])
@@ -136,8 +141,10 @@ def find_checkpoint(params: Params, models: list[str | None], policy: PolicyWith
         return None, None
     ckpt = Checkpointing(run_fingerprint(params, models, accelerator.num_processes))
     if accelerator.is_main_process:
-        checkpoint.check_room_for_checkpoints(ckpt.folder, checkpoint.checkpoint_bytes(policy),
-                                              "ppo.checkpoint_every", ckpt.fingerprint)
+        needed = checkpoint.checkpoint_bytes(policy)
+        if params.ppo.ema_decay is not None:  # and the averaged weights, a copy of the trained ones
+            needed += sum(p.numel() * p.element_size() for p in checkpoint.trained_weights(policy).values())
+        checkpoint.check_room_for_checkpoints(ckpt.folder, needed, "ppo.checkpoint_every", ckpt.fingerprint)
         found = checkpoint.find(ckpt.folder, ckpt.fingerprint, True, STATE_KEYS, params.ppo.steps)
     accelerator.wait_for_everyone()  # the main process has pruned other runs' checkpoints
     if not accelerator.is_main_process:

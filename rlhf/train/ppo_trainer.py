@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.lora import adapters_disabled
@@ -93,6 +94,8 @@ class PPOTrainer:
         self.trained = [p for p in self.policy.parameters() if p.requires_grad]  # every one but a LoRA run's base
         lr = torch.tensor(cfg.learning_rate, device=self.device)
         self.optimizer = torch.optim.AdamW(self.trained, lr=lr, weight_decay=cfg.weight_decay, fused=True)
+        # ppo.ema_decay: the weights written and measured (``averaged``), a moving average of the trained ones
+        self.average = [p.detach().clone() for p in self.trained] if cfg.ema_decay is not None else None
         # the update's forward and backward go through this one: DDP-wrapped by accelerate so that gradients are
         # averaged over processes, else the policy itself (sampling and saving use the unwrapped policy)
         self.wrapped_policy: torch.nn.Module = self.policy
@@ -158,6 +161,8 @@ class PPOTrainer:
         clock = Clock(self.device)
         with clock("update"):  # 6. ppo epochs over shuffled mini-batches
             update_stats = self.update(rollout, step)
+            if self.average is not None:
+                get_ema_multi_avg_fn(self.cfg.ema_decay)(self.average, [p.detach() for p in self.trained], None)
         # 7. adapt the KL coefficient to the mean sequence KL of the batch
         mean_kl = self.mean_over_processes(rollout.kl.sum(1).mean()).item()
         kl_coef = self.kl_ctl.value
@@ -302,6 +307,24 @@ class PPOTrainer:
             self.accelerator.backward(loss)
         else:
             loss.backward()
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        """The policy with its averaged weights (ppo.ema_decay) in place of the trained ones, copied in and back out
+        (a compiled step's CUDA graphs hold the parameters' addresses); without an average, the policy as it is."""
+        if self.average is None:
+            yield
+            return
+        trained = [p.detach().clone() for p in self.trained]
+        with torch.no_grad():
+            for p, average in zip(self.trained, self.average, strict=True):
+                p.copy_(average)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, weights in zip(self.trained, trained, strict=True):
+                    p.copy_(weights)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[PreTrainedModel]:
