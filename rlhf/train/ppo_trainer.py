@@ -308,23 +308,10 @@ class PPOTrainer:
         else:
             loss.backward()
 
-    @contextlib.contextmanager
-    def averaged(self) -> Iterator[None]:
-        """The policy with its averaged weights (ppo.ema_decay) in place of the trained ones, copied in and back out
-        (a compiled step's CUDA graphs hold the parameters' addresses); without an average, the policy as it is."""
-        if self.average is None:
-            yield
-            return
-        trained = [p.detach().clone() for p in self.trained]
-        with torch.no_grad():
-            for p, average in zip(self.trained, self.average, strict=True):
-                p.copy_(average)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, weights in zip(self.trained, trained, strict=True):
-                    p.copy_(weights)
+    def averaged(self) -> contextlib.AbstractContextManager:
+        """The policy with its averaged weights (ppo.ema_decay) in place of the trained ones; without an average, the
+        policy as it is."""
+        return ppo_update.weights_in(self.trained, self.average)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[PreTrainedModel]:

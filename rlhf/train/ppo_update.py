@@ -12,8 +12,9 @@ reduce-overhead). Their shapes are static: every batch is padded to one layout (
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -138,3 +139,20 @@ class UpdateLog:
         mean["policy/skipped_steps"] = float(n_steps - len(applied))
         mean["policy/grad_norm"] = sum(applied) / len(applied) if applied else 0.0  # none applied
         return mean
+
+
+@contextlib.contextmanager
+def weights_in(params: list[torch.Tensor], weights: list[torch.Tensor] | None) -> Iterator[None]:
+    """``weights`` copied into ``params`` inside the block, the params' own copied back after (copied, not swapped: a
+    compiled step's CUDA graphs hold their addresses); None: the params as they are."""
+    pairs = list(zip(params, weights, strict=True)) if weights is not None else []
+    held = [p.detach().clone() for p, _ in pairs]
+    with torch.no_grad():
+        for p, weight in pairs:
+            p.copy_(weight)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for (p, _), weight in zip(pairs, held, strict=True):
+                p.copy_(weight)
