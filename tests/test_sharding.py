@@ -40,7 +40,8 @@ def free_port() -> int:
 def test_sharded_run_against_the_data_parallel_one_and_after_a_kill(ppo_project: Path) -> None:
     """3 steps sharded give the 2-process data-parallel run's weights, each process holding half the bytes; killed
     at its third step, the sharded run resumes from its checkpoint to the same weights."""
-    set_params(ppo_project, **{"ppo.max_grad_norm": 1.0})
+    # fp32: under bf16 autocast on a Xeon with AMX the two runs' weights part beyond the tolerance
+    set_params(ppo_project, **{"ppo.max_grad_norm": 1.0, "model.precision": "fp32"})
     result = torchrun(ppo_project)
     assert result.returncode == 0, result.stderr[-3000:]
     data_parallel = weights(ppo_project)
