@@ -255,7 +255,9 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
                 bar.set_postfix(reward=f"{last['objective/scores']:.3f}", kl=f"{last['objective/kl']:.2f}")
             if (step + 1) % chunk == 0 or step + 1 == cfg.steps:
                 if probe is not None:  # every process: a sharded policy's forward needs them all
-                    with trainer.autocast(), sharding.gathered(trainer.policy), trainer.averaged():
+                    # the reference too: its head runs after its context, in the policy's forward
+                    with (trainer.autocast(), sharding.gathered(trainer.policy), sharding.gathered(trainer.ref_policy),
+                          trainer.averaged()):
                         measured = probe.measure(trainer.policy.lm, trainer.reference)
                     if is_main:
                         log_objective(live, measured, (step + 1) * cfg.batch_size * accelerator.num_processes)

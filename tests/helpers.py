@@ -65,6 +65,20 @@ def training_project(project: Path, stage: str, imdb_dir: Path, tokenizer_dir: P
     signal_pairs(16, 1).to_parquet(project / "data/pairs/test.parquet")
 
 
+def write_pool(project: Path) -> None:
+    """An optimum pool on 2 eval prompts (the train prompts' first two), 4 samples each, and the params that make the
+    ppo stage probe it: the curve's objective share needs one beta (a fixed kl_coef)."""
+    import pyarrow.parquet as pq
+
+    prompts = project / "data/prompts"
+    pq.write_table(pq.read_table(prompts / "train.parquet"), prompts / "eval.parquet")
+    (project / "data/optimum").mkdir(parents=True, exist_ok=True)
+    rewards = [0.1, -0.4, 0.9, 0.2, -1.0, 0.5, 0.3, 0.0]  # 2 prompts x 4 samples
+    pd.DataFrame({"prompt": [0] * 4 + [1] * 4, "sample": list(range(4)) * 2, "reward": rewards}).to_parquet(
+        project / "data/optimum/pool.parquet")
+    set_params(project, **{"optimum.samples_per_prompt": 4, "ppo.adap_kl_ctrl": False})
+
+
 def snapshot(project: Path, stage: str) -> dict[str, bytes]:
     """The bytes of every file of ``stage``'s outputs (dvc.yaml's) in ``project``."""
     files = {}

@@ -352,6 +352,7 @@ def test_tokenizer_defaults_to_the_policy_or_sft_base() -> None:
      "exact needs an estimator whose advantages keep one scale of the rewards (not grpo)"),
     ({"advantage_estimator": "ppo"}, "ppo.advantage_estimator", "should be " + ", ".join(map(repr, ESTIMATORS))[:20]),
     ({"ema_decay": 0.99, "shard": True}, "ppo.ema_decay", "null with ppo.shard: true"),
+    ({"kl_penalty": "exact", "shard": True}, "ppo.kl_penalty", "exact is not run with ppo.shard: true"),
     ({"ema_decay": 1.0}, "ppo.ema_decay", "less than 1"),
 ])
 def test_estimator_rules_name_the_key(raw: dict, updates: dict, key: str, rule: str) -> None:

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import ROOT, build_tiny_gpt2, error_line, set_params, write_prompts
-from helpers import eos_only_gpt2, run
+from helpers import eos_only_gpt2, run, write_pool
 from transformers import AutoModelForCausalLM
 
 from rlhf.pipeline import cli
@@ -72,13 +72,7 @@ def test_the_curve_measures_the_objective_on_the_pool_without_changing_the_run(p
     set_params(ppo_project, **{"ppo.adap_kl_ctrl": False})
     assert run(ppo_project).returncode == 0
     without = load_file(ppo_project / "models/policy/model.safetensors")
-    prompts = ppo_project / "data/prompts"
-    pq.write_table(pq.read_table(prompts / "train.parquet"), prompts / "eval.parquet")
-    (ppo_project / "data/optimum").mkdir(parents=True)
-    rewards = [0.1, -0.4, 0.9, 0.2, -1.0, 0.5, 0.3, 0.0]  # 2 prompts x 4 samples
-    pd.DataFrame({"prompt": [0] * 4 + [1] * 4, "sample": list(range(4)) * 2, "reward": rewards}).to_parquet(
-        ppo_project / "data/optimum/pool.parquet")
-    set_params(ppo_project, **{"optimum.samples_per_prompt": 4})
+    write_pool(ppo_project)
     result = run(ppo_project)
     assert result.returncode == 0, result.stderr
     with_probe = load_file(ppo_project / "models/policy/model.safetensors")

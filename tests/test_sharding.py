@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, error_line, set_params
-from helpers import run
+from helpers import run, write_pool
 from safetensors.torch import load_file
 
 from bench.sizing import optimizer_held_bytes
@@ -79,12 +79,16 @@ def test_sharded_run_against_the_data_parallel_one_and_after_a_kill(ppo_project:
 @pytest.mark.slow
 def test_two_machines_over_a_rendezvous(ppo_project: Path) -> None:
     """Two "machines" of one process each, meeting at a rendezvous on 127.0.0.1, as docs/gpu.md's multi-node
-    command runs on each node."""
+    command runs on each node; a separate critic sharded beside the policy, the full KL (the reference's head in the
+    policy's forward) and the curve's probe on a pool."""
     import subprocess
 
+    import pandas as pd
     from conftest import project_env
 
-    set_params(ppo_project, **SHARDED, **{"ppo.checkpoint_every": 0, "ppo.steps": 2})
+    write_pool(ppo_project)
+    set_params(ppo_project, **SHARDED, **{"ppo.checkpoint_every": 0, "ppo.steps": 2, "ppo.value_model": "separate",
+                                          "ppo.kl_penalty": "full"})
     endpoint = f"127.0.0.1:{free_port()}"
     command = [TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                endpoint, "--rdzv-id", "ppo", "-m", "stages.ppo"]
@@ -93,6 +97,9 @@ def test_two_machines_over_a_rendezvous(ppo_project: Path) -> None:
     outputs = [node.communicate(timeout=600) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
     assert json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]["processes"] == 2
+    assert any(name.startswith("critic.") for name in weights(ppo_project))  # gathered whole from both machines
+    curve = ppo_project / "metrics/ppo/plots/metrics/optimum/objective_fraction.tsv"
+    assert pd.read_csv(curve, sep="\t")["objective_fraction"].notna().sum() == 1  # after the last step
 
 
 def test_sharding_in_one_process_is_refused(ppo_project: Path) -> None:

@@ -146,6 +146,9 @@ class PpoParams(Section):
         if self.kl_penalty == "exact" and not estimator.reward_units:
             raise Rule("kl_penalty", f"exact needs an estimator whose advantages keep one scale of the rewards (not "
                                      f"{name})", self.kl_penalty)
+        if self.kl_penalty == "exact" and self.shard:
+            raise Rule("kl_penalty", "exact is not run with ppo.shard: true (every mini-batch would gather the "
+                                     "reference's head)", self.kl_penalty)
         if self.ema_decay is not None and self.shard:
             raise Rule("ema_decay", "must be null with ppo.shard: true (the average is not sharded)", self.ema_decay)
         if self.value_model in ("separate", "reward") and not estimator.trains_critic:

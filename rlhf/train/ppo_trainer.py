@@ -205,7 +205,8 @@ class PPOTrainer:
         exact = cfg.kl_penalty == "exact"
         full = exact or cfg.kl_penalty == "full"
         self.policy.eval()
-        with self.autocast():
+        # full, exact: a sharded reference's head runs after its context, in the policy's forward: gathered till then
+        with self.autocast(), sharding.gathered(self.ref_policy if full else None):
             with self.reference() as ref_model:  # full, exact: the reference's head runs in the policy's forward
                 ref = reference_head_input(ref_model, samples, cfg.temperature) if full else None
                 ref_logprobs = None if full else forward(ref_model, samples, cfg.temperature).logprobs

@@ -50,12 +50,12 @@ def make_root(model: FSDPModule) -> None:
 
 
 @contextlib.contextmanager
-def gathered(model: nn.Module) -> Iterator[None]:
+def gathered(model: nn.Module | None) -> Iterator[None]:
     """Every weight of ``model`` whole inside the block, gathered once: token-by-token decoding then runs no
     collective, which it could not (each process samples its own number of tokens), and the decoder reads the
     weights directly (sharded, it captures no CUDA graph: one would hold the addresses of weights gathered afresh at
-    every rollout). Sharded again on leaving; a no-op for a model not sharded, or inside another ``gathered``."""
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
+    every rollout). Sharded again on leaving; a no-op for None, a model not sharded, or inside another ``gathered``."""
+    if model is None or not any(isinstance(p, DTensor) for p in model.parameters()):
         yield
         return
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
