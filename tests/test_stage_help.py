@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, set_params
-from helpers import run_cli
+from helpers import TRAINING, run_cli
 
 from rlhf.pipeline.params import expand
 from rlhf.pipeline.wiring import stages, wiring
@@ -59,6 +59,37 @@ def test_a_switched_off_stage_writes_its_marker_without_loading_torch(project: P
         assert re.fullmatch(rf"{stage}: done in \d+\.\d s", result.stderr.strip().splitlines()[-1]), result.stderr
         assert [out for out in wiring(stage, project / "dvc.yaml").outputs if not (project / out).exists()] == []
 
+
+
+# a sitecustomize that makes one module unimportable in the process it starts in
+REFUSE = """import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == {name!r}:
+            raise ImportError("a tokenizer-only stage imports no model classes")
+sys.meta_path.insert(0, Refuse())
+"""
+
+
+def test_the_stages_that_load_only_a_tokenizer_never_import_transformers_modeling_layer(
+        project: Path, imdb_dir: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """prepare and tokenize (SFT on, so that tokenize writes ids) with ``transformers.modeling_utils`` made
+    unimportable: importing it costs seconds of CPU in every stage process, and these two load a tokenizer only."""
+    (tmp_path / "refuse").mkdir()
+    (tmp_path / "refuse" / "sitecustomize.py").write_text(REFUSE.format(name="transformers.modeling_utils"))
+    set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir),
+                           "prepare.train_prompts": 8, "prepare.eval_prompts": 4, "prepare.train_pairs": 8,
+                           "prepare.test_pairs": 4, **TRAINING["sft"]})
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'refuse'}{os.pathsep}{project}"}
+    for stage in ("prepare", "tokenize"):
+        result = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=project, env=env, capture_output=True,
+                                text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert [out for out in wiring(stage, project / "dvc.yaml").outputs if not (project / out).exists()] == []
+    assert (project / "data/tokens/train.npy").exists()  # ids, not the switched-off marker
+    refused = subprocess.run([sys.executable, "-c", "import transformers.modeling_utils"], env=env,
+                             capture_output=True, text=True)
+    assert "imports no model classes" in refused.stderr  # the refusal works: this test can fail
 
 def test_the_recipe_runner_keeps_its_own_help() -> None:
     result = subprocess.run([sys.executable, "-m", "tools.recipe", "--help"], cwd=ROOT, capture_output=True, text=True)

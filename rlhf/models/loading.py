@@ -11,20 +11,11 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
-from transformers.activations import ACT2FN, NewGELUActivation
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from rlhf.models.lora import add_lora, merge_adapters
@@ -33,6 +24,12 @@ from rlhf.pipeline.io import atomic_path
 from rlhf.pipeline.params import InitialPolicy
 from rlhf.pipeline.paths import is_local
 from rlhf.pipeline.sections import ModelParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# transformers' model classes are imported where a model loads: its modeling layer costs seconds of CPU at import,
+# in every stage process, and the stages that load only a tokenizer (prepare, tokenize) never need it
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +156,8 @@ def fast_activations(model: PreTrainedModel) -> PreTrainedModel:
     """Swap transformers' Python tanh-GELU (``gelu_new``: GPT-2's, five elementwise kernels and four temporaries)
     for torch's fused kernel of the same formula (``gelu_pytorch_tanh``); the outputs agree to float rounding. The
     config says so too, so a saved model reloads with the very kernel it was trained with. Returns ``model``."""
+    from transformers.activations import ACT2FN, NewGELUActivation
+
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, NewGELUActivation):
@@ -225,6 +224,8 @@ def load_causal_lm(name: str, model: ModelParams, what: str = "model.policy",
                    dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a causal LM (policy, reference, SFT base); a model saved for another task (a classifier, whose backbone
     loads into an LM head without a word) is refused."""
+    from transformers import AutoModelForCausalLM
+
     lm = _from_pretrained(AutoModelForCausalLM, name, model, what, dtype=dtype)
     saved = lm.config.architectures or []
     if saved and all(arch.endswith(OTHER_TASKS) for arch in saved):
@@ -236,6 +237,8 @@ def load_sequence_classifier(name: str, model: ModelParams, what: str = "reward.
                              **kwargs: Any) -> PreTrainedModel:
     """Load a sequence classifier (sentiment scorer, reward model, judge; ``new_head``: a reward model's base, whose
     score head is new); ``kwargs`` go to from_pretrained."""
+    from transformers import AutoModelForSequenceClassification
+
     return _from_pretrained(AutoModelForSequenceClassification, name, model, what, new_head, **kwargs)
 
 

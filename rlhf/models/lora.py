@@ -12,14 +12,17 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.sections import LoraParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def add_lora(lm: PreTrainedModel, lora: LoraParams) -> PreTrainedModel:
