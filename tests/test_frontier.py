@@ -221,6 +221,15 @@ def run_frontier(project: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
+def test_the_tool_starts_without_torch_or_transformers() -> None:
+    """The tool runs once per point and per call, and reads only tables: torch and transformers (seconds of CPU to
+    import) load in the stages it starts, not in it."""
+    result = subprocess.run([sys.executable, "-c", "import sys, tools.frontier; "
+                             "print(sorted({'torch', 'transformers'} & set(sys.modules)))"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert (result.returncode, result.stdout.strip()) == (0, "[]"), result.stderr
+
+
 def test_bad_arguments_fail_before_anything_runs(tmp_path: Path) -> None:
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "tiny.yaml").write_text("ppo:\n  steps: 2\n")

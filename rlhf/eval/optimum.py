@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import torch
 
 from rlhf.pipeline.errors import PipelineError
-from rlhf.rl import optimum as opt
-from rlhf.rl.preference import best_of_n_kl
 
-# The models layer (transformers: seconds to import) loads where a pool is drawn or scored, not with this module: the
-# frontier tool reads only the tables, and starts once per call.
+# The models layer (transformers: seconds to import) loads where a pool is drawn or scored, and torch (seconds too)
+# where the tables are computed, not with this module: the frontier tool reads only the tables, and starts once per
+# call.
 if TYPE_CHECKING:
+    import torch
+
     from rlhf.models.runs import Sampler
     from rlhf.models.scorers import Scorer
 
@@ -77,6 +77,8 @@ def round_beta(beta: float) -> float | None:
 
 def grid(pool: pd.DataFrame, column: str) -> torch.Tensor:
     """(P, N) float64 values of a pool column, a prompt per row."""
+    import torch
+
     n = int(pool["sample"].max()) + 1
     return torch.tensor(pool.sort_values(["prompt", "sample"])[column].to_numpy(np.float64)).view(-1, n)
 
@@ -103,6 +105,10 @@ def scorer_stats(weights: torch.Tensor, pool: pd.DataFrame, scorers: list[str]) 
 def curve(pool: pd.DataFrame, scorers: list[str], betas: np.ndarray = BETAS) -> pd.DataFrame:
     """One row per beta (and beta = inf, the reference): KL, the median and least effective sample size, whether the
     estimate is reliable, and every scorer's positive rate and mean; KL increasing down the table."""
+    import torch
+
+    from rlhf.rl import optimum as opt
+
     rewards, n = reward_grid(pool), int(pool["sample"].max()) + 1
     uniform = torch.full_like(rewards, 1.0 / n)
     rows = [{"beta": math.inf, "kl": 0.0, "ess_median": float(n), "ess_min": float(n), "reliable": True,
@@ -120,6 +126,9 @@ def curve(pool: pd.DataFrame, scorers: list[str], betas: np.ndarray = BETAS) -> 
 def best_of_n(pool: pd.DataFrame, scorers: list[str]) -> pd.DataFrame:
     """One row per n = 1, 2, 4, ... up to N: the KL bound log n - (n-1)/n, the selection's KL estimate from the pool,
     and every scorer's expected positive rate and mean (exact order statistics over n-subsets of the pool)."""
+    from rlhf.rl import optimum as opt
+    from rlhf.rl.preference import best_of_n_kl
+
     rewards, n_max = reward_grid(pool), int(pool["sample"].max()) + 1
     rows = []
     for n in [2**k for k in range(int(math.log2(n_max)) + 1)]:
