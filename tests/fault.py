@@ -3,10 +3,11 @@
 Run in the project folder (the stages package importable). Every call of a Python function whose
 ``<file>:<qualified name>`` matches ``--where`` is counted (``sys.setprofile``, call events only; ``<file>`` relative
 to the project for its own code, else absolute); the N-th call raises the fault at its first line, inside the real
-code path, and counting stops. The stage module and what it imports are loaded before counting starts: calls made by
-imports are not counted, and the stage runs at close to its own speed (a profile function, unlike a trace function,
-leaves line events off). A C function is named ``c:<module>.<name>`` (``c:posix.replace``: every ``os.replace``) and
-counted on its call too, so a kill can land between two renames. Without ``--at`` the stage runs undisturbed.
+code path, and counting stops. The stage module and what it imports, and the libraries the stages import where they
+use them (``LAZY``), are loaded before counting starts: calls made by imports are not counted, and the stage runs at
+close to its own speed (a profile function, unlike a trace function, leaves line events off). A C function is named
+``c:<module>.<name>`` (``c:posix.replace``: every ``os.replace``) and counted on its call too, so a kill can land
+between two renames. Without ``--at`` the stage runs undisturbed.
 ``--count FILE`` writes the number of matching calls seen to FILE at exit, so a test can draw a point among them.
 Faults: ``error`` (a RuntimeError, i.e. a bug), ``interrupt`` (Ctrl-C), ``disk-full`` (OSError ENOSPC), ``oom``
 (torch.OutOfMemoryError), ``kill`` (SIGKILL: a lost machine, exactly there), ``sigterm``, ``sighup`` (the signal, sent
@@ -28,6 +29,9 @@ import sys
 from pathlib import Path
 from types import CodeType, FrameType
 
+# what the stages import only where they need it (each costs seconds at import), loaded here before counting starts:
+# imported under the profile function, they took as much CPU again as the whole of a tiny ppo run
+LAZY = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto", "dvclive", "accelerate")
 SIGNALS = {"kill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP, "stop": signal.SIGSTOP}
 
 
@@ -94,6 +98,8 @@ def main() -> None:
         atexit.register(lambda: args.count.write_text(f"{calls}\n"))
     sys.argv = [f"stages.{args.stage}"]
     importlib.import_module(f"stages.{args.stage}")
+    for module in LAZY:
+        importlib.import_module(module)
     del sys.modules[f"stages.{args.stage}"]  # runpy runs it afresh as __main__ (its imports stay loaded)
     sys.setprofile(count)
     try:

@@ -390,12 +390,22 @@ def test_written_files_get_the_users_umask(tiny_gpt2_dir: Path, tmp_path: Path) 
 # --- no run's outputs mix with another's, whatever is killed when (issue 33) ----------------------------------------
 
 
-def count_calls(project: Path, stage: str, where: str, tmp_path: Path) -> int:
-    """The calls matching ``where`` a complete run of ``stage`` makes (in a copy of ``project``)."""
-    copy = shutil.copytree(project, tmp_path / "count", symlinks=True)
-    counted = tmp_path / "calls"
-    assert run_with_fault(copy, stage, "--where", where, "--count", str(counted)).returncode == 0
-    return int(counted.read_text())
+@pytest.fixture(scope="session")
+def counts() -> dict[tuple[str, str], int]:
+    """``count_calls``' answers, kept for the session: a count is the same for every test that readies the stage
+    alike, and each costs a whole run of it."""
+    return {}
+
+
+def count_calls(project: Path, stage: str, where: str, tmp_path: Path, counts: dict[tuple[str, str], int]) -> int:
+    """The calls matching ``where`` a complete run of ``stage`` makes (in a copy of ``project``, readied by
+    ``stage_project`` with its outputs planted)."""
+    if (stage, where) not in counts:
+        copy = shutil.copytree(project, tmp_path / "count", symlinks=True)
+        counted = tmp_path / "calls"
+        assert run_with_fault(copy, stage, "--where", where, "--count", str(counted)).returncode == 0
+        counts[stage, where] = int(counted.read_text())
+    return counts[stage, where]
 
 
 def states(project: Path, stage: str, old: dict[str, bytes]) -> dict[str, str]:
@@ -416,13 +426,14 @@ REPLACE = r"^c:posix\.replace$"  # every os.replace: the final replacement's ren
 @pytest.mark.parametrize(("kind", "before_end"), [("kill", 6), ("kill", 3), ("kill", 0), ("sigterm", 2)],
                          ids=["kill-setting-aside", "kill-moving-in", "kill-last-rename", "sigterm-moving-in"])
 def test_a_stop_while_the_outputs_go_in_leaves_one_runs_outputs_and_the_rerun_ends_at_once(
-        kind: str, before_end: int, stage_project: Callable[[str], Path], tmp_path: Path) -> None:
+        kind: str, before_end: int, stage_project: Callable[[str], Path], tmp_path: Path,
+        counts: dict[tuple[str, str], int]) -> None:
     """kill -9 or SIGTERM at a rename of ppo's final replacement (4 previous outputs set aside, then 4 new ones moved
     in): never two runs' outputs side by side (a kill leaves some missing, a stop puts the previous ones back), and
     the rerun resumes after the last step from the checkpoint the run kept, training nothing."""
     project = stage_project("ppo")
     old = plant_outputs(project, "ppo")
-    total = count_calls(project, "ppo", REPLACE, tmp_path)
+    total = count_calls(project, "ppo", REPLACE, tmp_path, counts)
     result = run_with_fault(project, "ppo", "--where", REPLACE, "--at", str(total - before_end), "--kind", kind)
     if kind == "kill":
         assert result.returncode == -signal.SIGKILL, result.stderr
