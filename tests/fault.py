@@ -7,8 +7,9 @@ code path, and counting stops. The stage module and what it imports, and the lib
 use them (``LAZY``), are loaded before counting starts: calls made by imports are not counted, and the stage runs at
 close to its own speed (a profile function, unlike a trace function, leaves line events off). A C function is named
 ``c:<module>.<name>`` (``c:posix.replace``: every ``os.replace``) and counted on its call too, so a kill can land
-between two renames. Without ``--at`` the stage runs undisturbed.
-``--count FILE`` writes the number of matching calls seen to FILE at exit, so a test can draw a point among them.
+between two renames (C calls are looked at only when ``--where`` contains ``c:``: they are most of the calls).
+Without ``--at`` the stage runs undisturbed. ``--count FILE`` writes the number of matching calls seen to FILE at
+exit, so a test can draw a point among them.
 Faults: ``error`` (a RuntimeError, i.e. a bug), ``interrupt`` (Ctrl-C), ``disk-full`` (OSError ENOSPC), ``oom``
 (torch.OutOfMemoryError), ``kill`` (SIGKILL: a lost machine, exactly there), ``sigterm``, ``sighup`` (the signal, sent
 to the process itself there; one the stage ignores there lets it go on), ``stop`` (SIGSTOP: the stage waits there,
@@ -64,6 +65,7 @@ def main() -> None:
     root, where = Path.cwd().resolve(), re.compile(args.where)
     matches: dict[CodeType, bool] = {}
     calls = 0
+    c_functions = "c:" in args.where  # a C function's label is looked at only when --where names one
 
     def name(code: CodeType) -> str:
         path = Path(code.co_filename).resolve()
@@ -71,11 +73,7 @@ def main() -> None:
 
     def count(frame: FrameType, event: str, arg: object) -> None:
         nonlocal calls
-        if event == "c_call":
-            label = f"c:{getattr(arg, '__module__', None)}.{getattr(arg, '__name__', None)}"
-            if not where.search(label):
-                return
-        elif event == "call":
+        if event == "call":
             code = frame.f_code
             found = matches.get(code)
             if found is None:
@@ -85,6 +83,10 @@ def main() -> None:
             if not found:
                 return
             label = name(code)
+        elif event == "c_call" and c_functions:
+            label = f"c:{getattr(arg, '__module__', None)}.{getattr(arg, '__name__', None)}"
+            if not where.search(label):
+                return
         else:
             return
         calls += 1
