@@ -60,7 +60,6 @@ def test_a_switched_off_stage_writes_its_marker_without_loading_torch(project: P
         assert [out for out in wiring(stage, project / "dvc.yaml").outputs if not (project / out).exists()] == []
 
 
-
 # a sitecustomize that makes one module unimportable in the process it starts in
 REFUSE = """import sys
 class Refuse:
@@ -90,6 +89,7 @@ def test_the_stages_that_load_only_a_tokenizer_never_import_transformers_modelin
     refused = subprocess.run([sys.executable, "-c", "import transformers.modeling_utils"], env=env,
                              capture_output=True, text=True)
     assert "imports no model classes" in refused.stderr  # the refusal works: this test can fail
+
 
 def test_the_recipe_runner_keeps_its_own_help() -> None:
     result = subprocess.run([sys.executable, "-m", "tools.recipe", "--help"], cwd=ROOT, capture_output=True, text=True)
