@@ -18,8 +18,9 @@ def spin(seconds: float) -> None:
 
 
 def test_cpu_and_memory_samples_land_in_the_csv_and_the_summary(tmp_path: Path) -> None:
+    system = SystemUse("cpu", interval=0.05)  # outside the clocks: the first one imports torch
     wall, cpu = time.perf_counter(), time.process_time()
-    with SystemUse("cpu", interval=0.05) as system:
+    with system:
         spin(0.4)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     system.write(tmp_path / "system.csv")
@@ -32,10 +33,9 @@ def test_cpu_and_memory_samples_land_in_the_csv_and_the_summary(tmp_path: Path) 
     assert all(row["gpu_busy"] == "" and row["gpu_memory_gb"] == "" for row in rows)
     summary = system.summary()
     assert set(summary) == {"cpu_cores", "ram_gb"}  # no GPU: no gpu_busy, no gpu_memory_gb
-    # the cores it kept busy, near its CPU time over the wall time (a busy machine gives the spinning less of a core;
-    # /proc's tick-based CPU times, which psutil reads, then ran 0.22 cores above the process's own clock): cores, not
-    # a percentage nor the machine's count
-    assert cpu / wall - 0.3 <= summary["cpu_cores"] <= 1.1
+    # the cores it kept busy, near its CPU time over the wall time (a busy machine gives the spinning less of a core):
+    # cores, not a percentage nor the machine's count
+    assert cpu / wall - 0.1 <= summary["cpu_cores"] <= 1.1
     assert (tmp_path / "system.csv").read_text().startswith(HEADER)
 
 

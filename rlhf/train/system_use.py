@@ -71,9 +71,11 @@ class SystemUse:
         while not self.stop.wait(self.interval):
             self.sample()
 
-    def cpu_seconds(self) -> float:
-        times = self.process.cpu_times()
-        return times.user + times.system
+    @staticmethod
+    def cpu_seconds() -> float:
+        # the kernel's own clock for all the process's threads: /proc's tick-based times (psutil's cpu_times) move in
+        # steps of 10 ms, so a sample a few ticks long could read twice the cores the process used
+        return time.process_time()
 
     def sample(self) -> None:
         now, cpu = time.perf_counter(), self.cpu_seconds()
