@@ -230,6 +230,16 @@ def test_the_tool_starts_without_torch_or_transformers() -> None:
     assert (result.returncode, result.stdout.strip()) == (0, "[]"), result.stderr
 
 
+def test_checking_an_imdb_source_loads_neither_torch_nor_transformers(imdb_dir: Path) -> None:
+    """The recipe and the frontier read each source before copying it: an IMDb folder is tables, and reading it
+    cost the seconds of CPU of torch and transformers' imports (the Hub check sat in the models layer)."""
+    code = ("import sys; from pathlib import Path; from tools.presets import LOCAL_INPUTS, check_sources; "
+            f"check_sources({{LOCAL_INPUTS['imdb']: Path({str(imdb_dir)!r})}}); "
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert (result.returncode, result.stdout.strip()) == (0, "[]"), result.stderr
+
+
 def test_bad_arguments_fail_before_anything_runs(tmp_path: Path) -> None:
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "tiny.yaml").write_text("ppo:\n  steps: 2\n")

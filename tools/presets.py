@@ -148,16 +148,17 @@ def check_sources(copies: dict[str, Path]) -> None:
     """Read each source of the ``local_inputs`` copies as the stages will read its copy (the IMDb's train and test
     splits, the tokenizer), so that one that cannot be read is named before anything is copied: a broken copy left in
     data/raw/ ran into dvc exp run, and the next attempt, given a good source, refused to copy over it."""
-    from rlhf.data.imdb import load_imdb
-    from rlhf.models.loading import load_tokenizer
-    from rlhf.pipeline.params import defaults
-
     kinds = {target: kind for kind, target in LOCAL_INPUTS.items()}
     for target, source in copies.items():
         try:
             if kinds[target] == "imdb":
+                from rlhf.data.imdb import load_imdb
+
                 load_imdb(str(source), None, ["train", "test"])
-            else:
+            else:  # the models layer imports torch and transformers: seconds, only when a tokenizer is read
+                from rlhf.models.loading import load_tokenizer
+                from rlhf.pipeline.params import defaults
+
                 load_tokenizer(str(source), defaults().model, what=str(source))
         except PipelineError as e:
             raise ParamsError(f"--{kinds[target]}: {e} (nothing was copied to {target})") from None

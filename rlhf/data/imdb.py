@@ -27,9 +27,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlhf.models.loading import unreachable_hub_id
 from rlhf.pipeline.errors import DataError
-from rlhf.pipeline.paths import RAW, SPLITS, is_local
+from rlhf.pipeline.paths import RAW, SPLITS, is_local, unreachable_hub_id
 
 log = logging.getLogger(__name__)
 

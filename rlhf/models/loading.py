@@ -6,7 +6,6 @@ from, so a failure reads ``model.policy: ...`` and the user knows which line of 
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from rlhf.models.lora import add_lora, merge_adapters
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import atomic_path
 from rlhf.pipeline.params import InitialPolicy
-from rlhf.pipeline.paths import is_local
+from rlhf.pipeline.paths import is_local, unreachable_hub_id
 from rlhf.pipeline.sections import ModelParams
 
 if TYPE_CHECKING:
@@ -36,39 +35,6 @@ log = logging.getLogger(__name__)
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 FAST_GELU = "gelu_pytorch_tanh"
-# the way on when a Hub id cannot be had because the Hub cannot be reached
-NO_HUB = ("without the Hub, the offline recipe trains its own models: python -m tools.recipe offline-cpu --imdb "
-          "<IMDb folder> --tokenizer <GPT-2 tokenizer folder> (README)")
-
-
-@functools.cache
-def unreachable_hub_id(value: str, repo_type: str) -> str | None:
-    """Why ``value`` (not a local path) cannot be had from the Hub as a ``repo_type`` ('model', 'dataset'); None when
-    it can, or when it is in the local Hub cache (the loader then decides).
-
-    One request and no retries: the loaders' own client retries an unreachable host for half a minute before saying
-    so. An answer other than "no such repository" or "cannot connect" (a gated repo, a rate limit) is left to the
-    loader to report.
-    """
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
-    from huggingface_hub.file_download import repo_folder_name
-
-    try:
-        if (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=value, repo_type=repo_type)).is_dir():
-            return None
-        if constants.HF_HUB_OFFLINE:
-            return f"HF_HUB_OFFLINE is set and it is not in the Hub cache; {NO_HUB}"
-        HfApi().repo_info(value, repo_type=repo_type, timeout=10)
-    except (RepositoryNotFoundError, HFValidationError) as e:
-        return str(e).splitlines()[0]
-    except HfHubHTTPError:
-        return None
-    except Exception as e:  # offline mode, DNS, refused or timed-out connections: each its own type
-        return f"cannot reach the Hub: {str(e).splitlines()[0]}; {NO_HUB}"
-    return None
-
-
 def source(name: str, what: str, model_folder: bool = False) -> Path | None:
     """Where ``name`` is (paths.is_local decides): its local folder, which must exist (and, ``model_folder``, hold a
     config.json), or None for a Hub id, which must be reachable (one request, no retries) or in the Hub cache."""
