@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from bench import compare, decode_step, equivalence, logprob_error, ppo_step, sft_step
+from bench import compare, decode_step, equivalence, heap_peak, logprob_error, ppo_step, sft_step
 from bench.configs import (
     CONFIGS,
     add_common_args,
@@ -101,6 +102,22 @@ def test_ppo_step_runs_the_trainer_and_prints_the_result_line(tokenizer_dir: Pat
                                         weight_grads=not lora_r)
     assert result["update_gflop"] == pytest.approx(flops / 1e9, abs=0.05)
     assert result["peak_mem_mb"] > 0
+
+
+def test_heap_peak_sees_a_tensor_freed_inside_its_block_and_not_one_made_before() -> None:
+    """What the phases' lines measure: the most the heap held inside the block over what it held on entry, a tensor
+    made and freed inside counted, one held from before not."""
+    try:
+        in_use = heap_peak.heap_reader()
+    except SystemExit:
+        pytest.skip("no glibc mallinfo2 here")
+    held = torch.ones(16 * 2**20 // 4)  # 16 MB, from before the block
+    with heap_peak.HeapPeak(in_use) as heap:
+        inside = torch.ones(64 * 2**20 // 4)
+        time.sleep(0.01)
+        del inside
+    assert 64 * 2**20 <= heap.peak - heap.start < 72 * 2**20
+    assert heap.start >= held.numel() * 4
 
 
 def test_ppo_step_refuses_an_estimator_setting_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
