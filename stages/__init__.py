@@ -5,7 +5,10 @@ is imported on behalf of ``-m`` (sys.argv[0] is "-m" until the module is found):
 - ``-h``/``--help`` is answered here, from X's docstring and dvc.yaml, so it starts at once and loads no model;
 - Ctrl-C, SIGTERM and SIGHUP end the process with one line and the signal's exit status (a stop during the imports
   would otherwise print a long traceback from inside them); rlhf.pipeline.cli.run_stage installs the handlers that
-  keep checkpoints once the stage starts.
+  keep checkpoints once the stage starts;
+- a stage that runs as one process, started by a launcher as several (torchrun, accelerate launch: WORLD_SIZE), stops
+  with one line (from the first process) before it loads anything: each process would train alone and write the same
+  outputs.
 
 A stage that params switch off (all but prepare and evaluate) imports its model and data code inside the functions
 that run when it is on: off, it writes its marker in about a second, without loading transformers.
@@ -17,6 +20,8 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
+
+SEVERAL_PROCESSES = ("ppo",)  # the stages whose work is shared by a launcher's processes (docs/gpu.md)
 
 
 def stage_help(stage: str, root: Path) -> str:
@@ -55,3 +60,10 @@ if sys.argv[:1] == ["-m"]:
             print(f"error: {_e}", file=sys.stderr)
             raise SystemExit(1) from None
         raise SystemExit(0)
+    _processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if _args[0].startswith("stages.") and _processes > 1 and _args[0].removeprefix("stages.") not in SEVERAL_PROCESSES:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {_args[0]} runs as one process, but its launcher started {_processes} (WORLD_SIZE): run "
+                  f"python -m {_args[0]}; only {', '.join(SEVERAL_PROCESSES)} runs over several (docs/gpu.md)",
+                  file=sys.stderr)
+        raise SystemExit(1)

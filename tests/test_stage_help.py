@@ -15,7 +15,7 @@ from helpers import TRAINING, run_cli
 
 from rlhf.pipeline.params import expand
 from rlhf.pipeline.wiring import stages, wiring
-from stages import stage_help
+from stages import SEVERAL_PROCESSES, stage_help
 
 
 @pytest.mark.parametrize("stage", list(stages(ROOT / "dvc.yaml")))
@@ -41,6 +41,24 @@ def test_help_from_the_command_line_anywhere_loads_nothing(flag: str, tmp_path: 
     assert result.returncode == 0, result.stderr
     assert "prepare.prompt_max_tokens" in result.stdout and "Writes  models/policy/" in result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["transformers"]
+
+
+@pytest.mark.parametrize("stage", [s for s in stages(ROOT / "dvc.yaml") if s not in SEVERAL_PROCESSES])
+def test_a_one_process_stage_started_as_several_stops_in_one_line_before_loading_anything(stage: str,
+                                                                                          tmp_path: Path) -> None:
+    """torchrun or accelerate launch (WORLD_SIZE 2) on a stage that does not share its work: each process would train
+    alone and write the same outputs. From a folder with no params.yaml and transformers unimportable: it stops
+    before either matters, the first process saying so, the other silent."""
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("raise ImportError('the stage must stop before this')\n")
+    for rank in ("0", "1"):
+        result = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=tmp_path, capture_output=True,
+                                text=True, env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
+                                                "WORLD_SIZE": "2", "RANK": rank})
+        assert result.returncode == 1, result.stderr
+        said = (f"error: stages.{stage} runs as one process, but its launcher started 2 (WORLD_SIZE): run python -m "
+                f"stages.{stage}; only ppo runs over several (docs/gpu.md)\n")
+        assert result.stderr == ("" if rank == "1" else said)
 
 
 def test_a_switched_off_stage_writes_its_marker_without_loading_torch(project: Path) -> None:
