@@ -64,7 +64,7 @@ def test_a_missing_path_read_as_a_hub_id_fails_in_one_line_naming_the_key(tmp_pa
 
 def test_an_unreachable_hub_is_asked_once(tmp_path: Path) -> None:
     """Online, with nothing listening at the Hub's address: the first refused connection is the answer."""
-    code = "from rlhf.pipeline.paths import unreachable_hub_id; print(unreachable_hub_id('data/imdb', 'dataset'))"
+    code = "from rlhf.models.hub import unreachable_hub_id; print(unreachable_hub_id('data/imdb', 'dataset'))"
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env={
         **os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
         "HF_HUB_CACHE": str(tmp_path / "cache")})

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from rlhf.models.hub import unreachable_hub_id
 from rlhf.pipeline.errors import DataError
-from rlhf.pipeline.paths import RAW, SPLITS, is_local, unreachable_hub_id
+from rlhf.pipeline.paths import RAW, SPLITS, is_local
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,12 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from rlhf.models.hub import unreachable_hub_id
 from rlhf.models.lora import add_lora, merge_adapters
 from rlhf.pipeline.errors import ModelError
 from rlhf.pipeline.io import atomic_path
 from rlhf.pipeline.params import InitialPolicy
-from rlhf.pipeline.paths import is_local, unreachable_hub_id
+from rlhf.pipeline.paths import is_local
 from rlhf.pipeline.sections import ModelParams
 
 if TYPE_CHECKING:
