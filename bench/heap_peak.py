@@ -8,8 +8,8 @@ counts the freed memory glibc keeps for reuse (the stages ask it to, ``keep_free
 measures the allocator as much as the phase. The sampling thread takes CPU from the iteration, so its timings are not
 ``bench.ppo_step``'s. Linux with glibc only.
 
-Runs against an older checkout too (``PYTHONPATH=<checkout> python bench/heap_peak.py ...``): it watches the methods by
-name, which the trainer has had since the stage began.
+Runs against an older checkout too (from it: ``PYTHONPATH=. python <this checkout>/bench/heap_peak.py ...``, its
+config added if it lacks it): it watches the methods by name, which the trainer has had since the stage began.
 """
 
 from __future__ import annotations
