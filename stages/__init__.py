@@ -53,17 +53,19 @@ if sys.argv[:1] == ["-m"]:
     for _signum in STOP_SIGNALS:
         signal.signal(_signum, _stop_while_starting)
     _args = sys.orig_argv[sys.orig_argv.index("-m") + 1:]  # [stages.X, its arguments...]
-    if _args[0].startswith("stages.") and {"-h", "--help"} & set(_args[1:]):
+    _stage = _args[0].removeprefix("stages.") if _args[0].startswith("stages.") else None
+    if _stage is not None and {"-h", "--help"} & set(_args[1:]):
         try:
-            print(stage_help(_args[0].removeprefix("stages."), Path(__file__).resolve().parents[1]), end="")
+            print(stage_help(_stage, Path(__file__).resolve().parents[1]), end="")
         except PipelineError as _e:  # no dvc.yaml there
             print(f"error: {_e}", file=sys.stderr)
             raise SystemExit(1) from None
         raise SystemExit(0)
     _processes = int(os.environ.get("WORLD_SIZE", "1"))
-    if _args[0].startswith("stages.") and _processes > 1 and _args[0].removeprefix("stages.") not in SEVERAL_PROCESSES:
+    if _stage is not None and _processes > 1 and _stage not in SEVERAL_PROCESSES:
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {_args[0]} runs as one process, but its launcher started {_processes} (WORLD_SIZE): run "
-                  f"python -m {_args[0]}; only {', '.join(SEVERAL_PROCESSES)} runs over several (docs/gpu.md)",
+            print(f"error: stages.{_stage} runs as one process, but its launcher started {_processes} "
+                  f"(WORLD_SIZE): run python -m stages.{_stage}; only {', '.join(SEVERAL_PROCESSES)} runs over "
+                  "several (docs/gpu.md)",
                   file=sys.stderr)
         raise SystemExit(1)
