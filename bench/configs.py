@@ -66,6 +66,9 @@ CONFIGS = {
     # a 152k vocabulary (Qwen2's) on a tiny body: the LM head's logits are nearly all of an update's memory
     "tiny-152k": BenchConfig("tiny-152k", 2, 64, 2, 151936, batch_size=64, mini_batch_size=16, ppo_epochs=4,
                              new_tokens=16),
+    # the offline-cpu preset's policy and batch (presets/offline-cpu.yaml): 4 x 256, batch 128, mini-batch 32
+    "offline-cpu": BenchConfig("offline-cpu", 4, 256, 4, 50257, batch_size=128, mini_batch_size=32, ppo_epochs=4,
+                               new_tokens=16, learning_rate=3e-5),
     # a smoke-test size: seconds, not minutes
     "toy": BenchConfig("toy", 2, 64, 2, 50257, batch_size=8, mini_batch_size=4, ppo_epochs=1, new_tokens=8),
 }

@@ -156,6 +156,23 @@ def test_compare_runs_our_lora_trainer_beside_full_fine_tuning(tokenizer_dir: Pa
     assert result["ratio_to_ours"].keys() == result["memory_ratio_to_ours"].keys() == {"ours", "ours-lora16"}
 
 
+def test_the_offline_cpu_config_is_the_preset_s_policy_and_batch() -> None:
+    """bench's offline-cpu config times what the preset trains: its sft shape, its ppo batch and lr."""
+    import yaml
+
+    from tools.presets import load_preset, overlay
+
+    params = overlay(yaml.safe_load((ROOT / "params.yaml").read_text()), load_preset("offline-cpu"))
+    sft, ppo, cfg = params["sft"], params["ppo"], CONFIGS["offline-cpu"]
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_positions) == (sft["n_layer"], sft["n_embd"], sft["n_head"],
+                                                                      sft["n_positions"])
+    assert (cfg.batch_size, cfg.mini_batch_size, cfg.ppo_epochs, cfg.learning_rate, cfg.new_tokens) == (
+        ppo["batch_size"], ppo["mini_batch_size"], ppo["ppo_epochs"], ppo["learning_rate"],
+        ppo["response_max_tokens"])
+    assert (cfg.prompt_min_tokens, cfg.prompt_max_tokens) == (params["prepare"]["prompt_min_tokens"],
+                                                              params["prepare"]["prompt_max_tokens"])
+
+
 GPU_SHAPES = {"bench-gpu-medium": (24, 1024, 16), "bench-gpu-large": (36, 1280, 20)}
 
 

@@ -90,6 +90,25 @@ def test_the_head_never_sees_more_than_a_chunk_of_positions(grad: bool, monkeypa
         assert sorted(rows[4:]) == [4, 4, 4]
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_two_chunks_run_as_one_under_gradients(grad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """15 positions at most 8 a chunk: 2 chunks forward without gradients; with them one pass over all 15 and none
+    again in the backward (recomputing the first would save one chunk's memory for a forward of the head)."""
+    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 8 * V)
+    weight, _, hidden, _, labels, _ = problem(1)
+    rows: list[int] = []
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        rows.append(len(h))
+        return h @ weight.T
+
+    with torch.set_grad_enabled(grad):
+        stats = lp.head_stats(head, hidden, labels, V)
+    if grad:
+        stats.logprobs.sum().backward()
+    assert rows == ([15] if grad else [8, 7])
+
+
 def test_the_policy_s_logprobs_kl_values_and_gradients_do_not_depend_on_the_chunks(
         tiny_gpt2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the model's own head (``policy.lm_head``) and a value head: 3 positions a chunk against one chunk."""

@@ -22,6 +22,7 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 CHUNK_ELEMENTS = 2**24  # 64 MB per fp32 temporary: few kernel launches, bounded peak memory
+RECOMPUTE_FROM = 3  # chunks of logits from which head_stats recomputes them in the backward rather than keep them
 
 
 def in_chunks(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], *tensors: torch.Tensor):
@@ -132,23 +133,29 @@ def head_stats(head: Head, hidden: torch.Tensor, labels: torch.Tensor,
                vocab_size: int, ref: Reference | None = None) -> TokenStats:
     """(B, T, H) inputs of an LM head, (B, T) labels -> the ``TokenStats`` of the logits ``head`` ((n, H) -> (n, V))
     gives them (with ``ref``: also the exact KL to the reference and its log-probs), each value and gradient that of
-    the whole (B, T, V) logits, which never exist: the head runs on equal chunks of positions of at most
-    CHUNK_ELEMENTS logits (smaller chunks cost a GPT-2 update more in the head's weight-sized work per chunk than
-    they save: BENCHMARKS.md#the-lm-head-in-chunks).
+    the whole (B, T, V) logits, which exist whole only under gradients and in fewer than RECOMPUTE_FROM chunks: the
+    head runs on equal chunks of positions of at most CHUNK_ELEMENTS logits (smaller chunks cost a GPT-2 update more
+    in the head's weight-sized work per chunk than they save: BENCHMARKS.md#the-lm-head-in-chunks).
 
     With gradients each chunk but the last is checkpointed (torch.utils.checkpoint): its logits are freed after its
     statistics and computed again in the backward, so the backward holds one chunk's at a time too. The last chunk
-    keeps what its backward needs, which comes first there: recomputing it would lower no peak.
+    keeps what its backward needs, which comes first there: recomputing it would lower no peak. Under gradients,
+    fewer than RECOMPUTE_FROM chunks run as one: recomputing the first of two saves one chunk's memory for a forward
+    of the head on it, and unrecomputed chunks, all kept for the backward, hold as much as one chunk would, for the
+    head's weight-sized work once more (the offline-cpu preset's update: BENCHMARKS.md#the-lm-head-in-chunks).
     """
     positions = labels.numel()
     chunks = -(-positions // max(1, CHUNK_ELEMENTS // vocab_size))
+    recompute = torch.is_grad_enabled() and chunks >= RECOMPUTE_FROM
+    if torch.is_grad_enabled() and not recompute:
+        chunks = 1
     rows = -(-positions // chunks)  # equal chunks: a ragged last one would be one more size for the allocator
     hiddens = hidden.reshape(-1, hidden.shape[-1]).split(rows)
     ref_hiddens = [None] * len(hiddens) if ref is None else ref.hidden.reshape(-1, ref.hidden.shape[-1]).split(rows)
     ref_head = None if ref is None else ref.head
     outs = []
     for i, chunk in enumerate(zip(hiddens, labels.reshape(-1).split(rows), ref_hiddens, strict=True)):
-        if torch.is_grad_enabled() and i < len(hiddens) - 1:
+        if recompute and i < len(hiddens) - 1:
             outs.append(checkpoint(_chunk_stats, head, ref_head, *chunk, use_reentrant=False))
         else:
             outs.append(_chunk_stats(head, ref_head, *chunk))
