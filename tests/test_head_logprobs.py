@@ -70,31 +70,17 @@ def test_values_and_every_gradient_equal_the_whole_logits(chunk_elements: int | 
     assert_close(unreferenced.entropy, expected[1].detach())
 
 
-@pytest.mark.parametrize("grad", [False, True])
-def test_the_head_never_sees_more_than_a_chunk_of_positions(grad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """15 positions at most 4 a chunk: 4 equal chunks forward; with gradients the first 3 again in the backward, the
-    last not."""
-    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 4 * V + 1)
-    weight, _, hidden, _, labels, _ = problem(1)
-    rows: list[int] = []
-
-    def head(h: torch.Tensor) -> torch.Tensor:
-        rows.append(len(h))
-        return h @ weight.T
-
-    with torch.set_grad_enabled(grad):
-        stats = lp.head_stats(head, hidden, labels, V)
-    assert rows == [4, 4, 4, 3]  # ceil(15 / 4) chunks of ceil(15 / 4) rows
-    if grad:
-        stats.logprobs.sum().backward()
-        assert sorted(rows[4:]) == [4, 4, 4]
+# the rows the head sees, forward then backward, for 15 positions at most 4 or 8 a chunk, without and with gradients
+HEAD_CALLS = {(4, False): [4, 4, 4, 3], (4, True): [4, 4, 4, 3, 4, 4, 4], (8, False): [8, 7], (8, True): [15]}
 
 
-@pytest.mark.parametrize("grad", [False, True])
-def test_two_chunks_run_as_one_under_gradients(grad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """15 positions at most 8 a chunk: 2 chunks forward without gradients; with them one pass over all 15 and none
-    again in the backward (recomputing the first would save one chunk's memory for a forward of the head)."""
-    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", 8 * V)
+@pytest.mark.parametrize(("chunk_rows", "grad"), HEAD_CALLS)
+def test_the_head_never_sees_more_than_a_chunk_of_positions(chunk_rows: int, grad: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most 4 a chunk: 4 equal chunks forward; with gradients the first 3 again in the backward, the last not. At
+    most 8, 2 chunks: under gradients one pass over all 15 and none again (recomputing the first would save one
+    chunk's memory for a forward of the head on it)."""
+    monkeypatch.setattr(lp, "CHUNK_ELEMENTS", chunk_rows * V + 1)
     weight, _, hidden, _, labels, _ = problem(1)
     rows: list[int] = []
 
@@ -106,7 +92,7 @@ def test_two_chunks_run_as_one_under_gradients(grad: bool, monkeypatch: pytest.M
         stats = lp.head_stats(head, hidden, labels, V)
     if grad:
         stats.logprobs.sum().backward()
-    assert rows == ([15] if grad else [8, 7])
+    assert rows == HEAD_CALLS[chunk_rows, grad]
 
 
 def test_the_policy_s_logprobs_kl_values_and_gradients_do_not_depend_on_the_chunks(
