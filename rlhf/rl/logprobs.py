@@ -146,8 +146,7 @@ def head_stats(head: Head, hidden: torch.Tensor, labels: torch.Tensor,
     """
     positions = labels.numel()
     chunks = -(-positions // max(1, CHUNK_ELEMENTS // vocab_size))
-    recompute = torch.is_grad_enabled() and chunks >= RECOMPUTE_FROM
-    if torch.is_grad_enabled() and not recompute:
+    if torch.is_grad_enabled() and chunks < RECOMPUTE_FROM:
         chunks = 1
     rows = -(-positions // chunks)  # equal chunks: a ragged last one would be one more size for the allocator
     hiddens = hidden.reshape(-1, hidden.shape[-1]).split(rows)
@@ -155,7 +154,7 @@ def head_stats(head: Head, hidden: torch.Tensor, labels: torch.Tensor,
     ref_head = None if ref is None else ref.head
     outs = []
     for i, chunk in enumerate(zip(hiddens, labels.reshape(-1).split(rows), ref_hiddens, strict=True)):
-        if recompute and i < len(hiddens) - 1:
+        if torch.is_grad_enabled() and i < len(hiddens) - 1:
             outs.append(checkpoint(_chunk_stats, head, ref_head, *chunk, use_reentrant=False))
         else:
             outs.append(_chunk_stats(head, ref_head, *chunk))
