@@ -270,11 +270,12 @@ def train(trainer: PPOTrainer, prompts: Prompts, order: Batches, ckpt: Checkpoin
 
 
 def empty_objective_curve(curves: Path) -> None:
-    """Without a probe (no pool, or no one beta), the dvc.yaml plot ``objective``'s file holds its header alone: DVC
-    draws an empty chart where a missing file would be an error."""
-    path = curves / "plots/metrics/optimum/objective_fraction.tsv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("step\tobjective_fraction\n")
+    """Without a probe (no pool, or no one beta), the files of the dvc.yaml plots ``objective`` and ``objective_kl``
+    hold their headers alone: DVC draws an empty chart where a missing file would be an error."""
+    folder = curves / "plots/metrics/optimum"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("objective_fraction", "kl", "samples"):
+        (folder / f"{name}.tsv").write_text(f"step\t{name}\n")
 
 
 def log_objective(live: Live, measured: dict, samples: int) -> None:

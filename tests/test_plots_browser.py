@@ -86,8 +86,14 @@ def fake_plot_data(project: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
             ids.append(fake_frontier(project, monkeypatch))
             continue
         ids.append(plot_id)
+        x = plot["x"]
+        if isinstance(x, dict):  # x from a file of its own, row for row with the y files
+            ((name, field),) = x.items()
+            names = columns.setdefault(name, ["step"])
+            names += [field] if field not in names else []
+            x = "step"
         for name, fields in plot["y"].items():
-            names = columns.setdefault(name, [plot["x"]])
+            names = columns.setdefault(name, [x])
             names += [f for f in ([fields] if isinstance(fields, str) else fields) if f not in names]
     for name, names in columns.items():
         path = project / name

@@ -53,6 +53,8 @@ def test_outputs(ppo_project: Path, estimator: str) -> None:
     curves = ppo_project / "metrics/ppo/plots/metrics"
     for curve in ("objective/scores", "objective/kl", "objective/kl_coef", "loss/policy", "policy/clipfrac"):
         assert len((curves / f"{curve}.tsv").read_text().splitlines()) == 1 + 3
+    for curve in ("objective_fraction", "kl", "samples"):  # no pool: the objective plots' files, headers alone
+        assert (curves / f"optimum/{curve}.tsv").read_text() == f"step\t{curve}\n"
     assert (curves / "loss/value.tsv").exists() == (curves / "val/mean.tsv").exists() == critic
     assert (curves / "val/returns.tsv").exists() == (estimator in ("gae", "reinforce_pp"))
     assert (curves / "loss/kl.tsv").exists() == (estimator == "grpo")
