@@ -360,13 +360,16 @@ def test_estimator_rules_name_the_key(raw: dict, updates: dict, key: str, rule: 
     refused(raw, key, rule)
 
 
+CRITIC = ["value_model", "vf_coef", "cliprange_value", "value_learning_rate"]
+
+
 @pytest.mark.parametrize(("estimator", "k", "unused"), [
     ("gae", 1, []),
     ("gae", 4, []),
-    ("rloo", 4, ["value_model", "vf_coef", "cliprange_value", "gamma", "lam", "whiten_rewards"]),
-    ("grpo", 2, ["value_model", "vf_coef", "cliprange_value", "gamma", "lam", "whiten_rewards"]),
-    ("dpg", 4, ["value_model", "vf_coef", "cliprange_value", "gamma", "lam", "whiten_rewards"]),
-    ("reinforce_pp", 1, ["value_model", "vf_coef", "cliprange_value", "lam", "whiten_rewards"]),
+    ("rloo", 4, CRITIC + ["gamma", "lam", "whiten_rewards"]),
+    ("grpo", 2, CRITIC + ["gamma", "lam", "whiten_rewards"]),
+    ("dpg", 4, CRITIC + ["gamma", "lam", "whiten_rewards"]),
+    ("reinforce_pp", 1, CRITIC + ["lam", "whiten_rewards"]),
 ])
 def test_critic_free_estimators_accept_the_default_value_settings_and_name_what_they_ignore(
         raw: dict, estimator: str, k: int, unused: list[str]) -> None:

@@ -58,7 +58,8 @@ def test_outputs(ppo_project: Path, estimator: str) -> None:
     assert (curves / "loss/value.tsv").exists() == (curves / "val/mean.tsv").exists() == critic
     assert (curves / "val/returns.tsv").exists() == (estimator in ("gae", "reinforce_pp"))
     assert (curves / "loss/kl.tsv").exists() == (estimator == "grpo")
-    ignored = f"ppo: advantage_estimator {estimator} ignores ppo.value_model, ppo.vf_coef, ppo.cliprange_value"
+    ignored = (f"ppo: advantage_estimator {estimator} ignores ppo.value_model, ppo.vf_coef, ppo.cliprange_value, "
+               "ppo.value_learning_rate")
     assert (ignored in result.stderr) != critic
     summary = json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]
     assert summary["trained"] and summary["processes"] == 1

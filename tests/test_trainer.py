@@ -182,13 +182,32 @@ def test_the_averaged_policy_is_the_moving_average_of_the_trained_weights(tiny_g
 def test_the_learning_rate_follows_its_schedule_from_the_step_alone(tiny_gpt2_dir: Path, decay: str) -> None:
     """Warmup then decay, set from the iteration's number: the optimizer steps with it (a resumed run, which starts
     at a later step, needs no scheduler state), and the stats log it."""
-    trainer = make_trainer(tiny_gpt2_dir, learning_rate=1e-3, warmup_steps=2, lr_decay=decay, steps=6)
+    trainer = make_trainer(tiny_gpt2_dir, learning_rate=1e-3, value_learning_rate=5e-3, warmup_steps=2,
+                           lr_decay=decay, steps=6)
     expected = {"constant": [0.5, 1, 1, 1, 1, 1], "linear": [0.5, 1, 1, 0.75, 0.5, 0.25],
                 "cosine": [0.5, 1, 1, (2 + 2**0.5) / 4, 0.5, (2 - 2**0.5) / 4]}[decay]
     for step in (4, 0, 5, 1, 2, 3):
         assert trainer.set_learning_rate(step) == pytest.approx(1e-3 * expected[step])
-        assert trainer.optimizer.param_groups[0]["lr"].item() == pytest.approx(1e-3 * expected[step])
+        policy, value = (group["lr"].item() for group in trainer.optimizer.param_groups)
+        assert (policy, value) == pytest.approx((1e-3 * expected[step], 5e-3 * expected[step]))
     assert trainer.step(*batch(trainer), step=2).stats["ppo/learning_rate"] == pytest.approx(1e-3 * expected[2])
+
+
+@pytest.mark.parametrize("value_model", ["shared", "separate"])
+def test_the_value_head_steps_at_its_own_learning_rate(tiny_gpt2_dir: Path, value_model: str) -> None:
+    """Adam's first step moves each weight by its group's learning rate times the sign of its gradient: the value
+    head (and a separate critic's body) by ppo.value_learning_rate, the policy by ppo.learning_rate."""
+    trainer = make_trainer(tiny_gpt2_dir, value_model=value_model, learning_rate=1e-4, value_learning_rate=1e-2)
+    trainer.set_learning_rate(0)
+    before = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
+    loss, _ = trainer.minibatch_loss(make_rollout(trainer, *batch(trainer)), torch.arange(8))
+    loss.backward()
+    trainer.optimizer.step()
+    moved = {name: (p.detach() - before[name]).abs().max().item() for name, p in trainer.policy.named_parameters()}
+    critic = [name for name in moved if name.startswith(("v_head.", "critic."))]
+    assert len(critic) == (2 if value_model == "shared" else len(moved) // 2 + 1)  # a separate critic: a body copy
+    for name, step in moved.items():
+        assert step == pytest.approx(1e-2 if name in critic else 1e-4, rel=1e-3), name
 
 
 @pytest.mark.parametrize("value_model", ["shared", "detached"])

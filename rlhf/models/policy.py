@@ -73,6 +73,17 @@ class PolicyWithValueHead(nn.Module):
             values = self.v_head(hidden.float()).squeeze(-1)
         return stats, values
 
+    def param_groups(self, lr: float, value_lr: float, device: torch.device) -> list[dict]:
+        """The trained parameters (not a LoRA run's base) as the optimizer's groups: the value head's and a separate
+        critic's body at ``value_lr``, the rest at ``lr``; each its ``base_lr`` (the peak a schedule scales) and its
+        ``lr`` as a tensor on ``device``, where a fused step reads it."""
+        named = [(name, p) for name, p in self.named_parameters() if p.requires_grad]
+        value = ("v_head.", "critic.")
+        groups = [([p for name, p in named if not name.startswith(value)], lr),
+                  ([p for name, p in named if name.startswith(value)], value_lr)]
+        return [{"params": params, "base_lr": base_lr, "lr": torch.tensor(base_lr, device=device)}
+                for params, base_lr in groups if params]
+
     def save_value_head(self, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """``folder``/value_head.safetensors: the value head (and separate critic) of ``state`` (this module's state
         dict, by default its own); nothing without a value head."""

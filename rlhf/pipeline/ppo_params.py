@@ -15,7 +15,11 @@ class PpoParams(Section):
     steps: int = Field(gt=0)
     """PPO iterations; each samples batch_size prompts (194 x 128 is one pass over the 24,895 train prompts)."""
     learning_rate: float = Field(gt=0)
-    """Peak Adam learning rate of the policy (and value head)."""
+    """Peak Adam learning rate of the policy (and, unless value_learning_rate, of the value head)."""
+    value_learning_rate: float | None = Field(gt=0)
+    """Peak Adam learning rate of the value head (and a separate or reward critic's body), on the same schedule;
+    null: learning_rate. Adam moves each weight by about the learning rate whatever vf_coef is, so at the policy's
+    small rate the head needs ~100 iterations to reach the returns' scale (docs/experiments.md)."""
     warmup_steps: int = Field(ge=0)
     """Iterations of linear learning-rate warmup from learning_rate / warmup_steps."""
     lr_decay: Literal["constant", "linear", "cosine"]

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rlhf.rl.advantages import Advantages
 
-CRITIC_KEYS = ("value_model", "vf_coef", "cliprange_value")  # the ppo.* keys only a value head reads
+# the ppo.* keys only a value head reads
+CRITIC_KEYS = ("value_model", "vf_coef", "cliprange_value", "value_learning_rate")
 GROUP_IGNORES = ("gamma", "lam", "whiten_rewards")
 
 

@@ -92,8 +92,8 @@ class PPOTrainer:
         # fused: one kernel over all parameters instead of a dozen passes per step; it also drops a step on the
         # device (ppo_update). The learning rate lives on the device: the step reads it there
         self.trained = [p for p in self.policy.parameters() if p.requires_grad]  # every one but a LoRA run's base
-        lr = torch.tensor(cfg.learning_rate, device=self.device)
-        self.optimizer = torch.optim.AdamW(self.trained, lr=lr, weight_decay=cfg.weight_decay, fused=True)
+        groups = self.policy.param_groups(cfg.learning_rate, cfg.value_learning_rate or cfg.learning_rate, self.device)
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay, fused=True)
         # ppo.ema_decay: the weights written and measured (``averaged``), a moving average of the trained ones
         self.average = [p.detach().clone() for p in self.trained] if cfg.ema_decay is not None else None
         # the update's forward and backward go through this one: DDP-wrapped by accelerate so that gradients are
@@ -295,13 +295,13 @@ class PPOTrainer:
     # --- helpers ---------------------------------------------------------------------------------------------------
 
     def set_learning_rate(self, step: int) -> float:
-        """The schedule's learning rate for iteration ``step``, a function of it alone (a resumed run needs no state),
-        written into the device tensor the optimizer step reads; returned."""
+        """The schedule's learning rates for iteration ``step``, a function of it alone (a resumed run needs no state),
+        written into each parameter group's device tensor that the optimizer step reads; the policy's returned."""
         cfg = self.cfg
-        lr = cfg.learning_rate * lr_factor(step, min(cfg.warmup_steps, cfg.steps), cfg.steps, cfg.lr_decay)
+        factor = lr_factor(step, min(cfg.warmup_steps, cfg.steps), cfg.steps, cfg.lr_decay)
         for group in getattr(self.optimizer, "optimizer", self.optimizer).param_groups:
-            group["lr"].fill_(lr)
-        return lr
+            group["lr"].fill_(group["base_lr"] * factor)
+        return cfg.learning_rate * factor
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.accelerator is not None and not self.sharded:
