@@ -232,3 +232,17 @@ def count_host_reads(monkeypatch: pytest.MonkeyPatch, callers_under: Path | None
     for name in HOST_READS:
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     return counts
+
+
+def add_plot_columns(columns: dict[str, list[str]], plot: dict) -> None:
+    """Add the files a top-level dvc.yaml plot reads to ``columns`` ({file: its columns, x first}, over several plots:
+    some read one file). An x read from a file of its own is matched row for row by a ``step`` column in every file."""
+    x = plot["x"]
+    if isinstance(x, dict):
+        ((name, field),) = x.items()
+        names = columns.setdefault(name, ["step"])
+        names += [field] if field not in names else []
+        x = "step"
+    for name, fields in plot["y"].items():
+        names = columns.setdefault(name, [x])
+        names += [f for f in ([fields] if isinstance(fields, str) else fields) if f not in names]

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from conftest import dvc
+from helpers import add_plot_columns
 
 from rlhf.pipeline.params import read_yaml
 
@@ -29,16 +30,9 @@ def test_each_plotted_file_is_drawn_once_against_its_own_x_column(project: Path)
         if isinstance(plot["y"], str):
             folders.append(plot_id)
             continue
-        x = plot["x"]
-        if isinstance(x, dict):  # x from a file of its own, row for row with the y files
-            ((path, field),) = x.items()
-            names = top.setdefault(path, ["step"])
-            names += [field] if field not in names else []
-            x = "step"
-        for path, fields in plot["y"].items():
+        for path in plot["y"]:
             assert path not in columns, f"{path}: a stage plot and in a top-level plot, so drawn twice"
-            names = top.setdefault(path, [])
-            names += [name for name in (x, *([fields] if isinstance(fields, str) else fields)) if name not in names]
+        add_plot_columns(top, plot)
     columns |= top
 
     for path, names in columns.items():

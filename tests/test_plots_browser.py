@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import dvc
+from helpers import add_plot_columns
 
 from rlhf.eval.frontier import CHART_DIR, write_frontier
 
@@ -86,15 +87,7 @@ def fake_plot_data(project: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
             ids.append(fake_frontier(project, monkeypatch))
             continue
         ids.append(plot_id)
-        x = plot["x"]
-        if isinstance(x, dict):  # x from a file of its own, row for row with the y files
-            ((name, field),) = x.items()
-            names = columns.setdefault(name, ["step"])
-            names += [field] if field not in names else []
-            x = "step"
-        for name, fields in plot["y"].items():
-            names = columns.setdefault(name, [x])
-            names += [f for f in ([fields] if isinstance(fields, str) else fields) if f not in names]
+        add_plot_columns(columns, plot)
     for name, names in columns.items():
         path = project / name
         sep = "\t" if path.suffix == ".tsv" else ","
