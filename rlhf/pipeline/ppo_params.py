@@ -18,8 +18,8 @@ class PpoParams(Section):
     """Peak Adam learning rate of the policy (and, unless value_learning_rate, of the value head)."""
     value_learning_rate: float | None = Field(gt=0)
     """Peak Adam learning rate of the value head (and a separate or reward critic's body), on the same schedule;
-    null: learning_rate. Adam moves each weight by about the learning rate whatever vf_coef is, so at the policy's
-    small rate the head needs ~100 iterations to reach the returns' scale (docs/experiments.md)."""
+    null: learning_rate. Adam moves each weight by about its rate whatever vf_coef is, so this rate, not vf_coef, sets
+    how fast the head fits (docs/experiments.md: a faster head fit better, but brought PPO no nearer the optimum)."""
     warmup_steps: int = Field(ge=0)
     """Iterations of linear learning-rate warmup from learning_rate / warmup_steps."""
     lr_decay: Literal["constant", "linear", "cosine"]
