@@ -20,6 +20,7 @@ from rlhf.models.precision import full_precision, head_grad_dtype, head_logits, 
 from rlhf.rl.logprobs import Reference, TokenStats, head_stats
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+VALUE_PARAMS = ("v_head.", "critic.")  # the value head's and a separate critic's parameters: their own lr and file
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -78,9 +79,8 @@ class PolicyWithValueHead(nn.Module):
         critic's body at ``value_lr``, the rest at ``lr``; each its ``base_lr`` (the peak a schedule scales) and its
         ``lr`` as a tensor on ``device``, where a fused step reads it."""
         named = [(name, p) for name, p in self.named_parameters() if p.requires_grad]
-        value = ("v_head.", "critic.")
-        groups = [([p for name, p in named if not name.startswith(value)], lr),
-                  ([p for name, p in named if name.startswith(value)], value_lr)]
+        groups = [([p for name, p in named if not name.startswith(VALUE_PARAMS)], lr),
+                  ([p for name, p in named if name.startswith(VALUE_PARAMS)], value_lr)]
         return [{"params": params, "base_lr": base_lr, "lr": torch.tensor(base_lr, device=device)}
                 for params, base_lr in groups if params]
 
@@ -90,7 +90,7 @@ class PolicyWithValueHead(nn.Module):
         if self.v_head is None:
             return
         state = self.state_dict() if state is None else state
-        head = {k: v.contiguous() for k, v in state.items() if k.startswith(("v_head.", "critic."))}
+        head = {k: v.contiguous() for k, v in state.items() if k.startswith(VALUE_PARAMS)}
         save_file(head, folder / VALUE_HEAD_FILE)
 
 
