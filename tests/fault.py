@@ -3,11 +3,12 @@
 Run in the project folder (the stages package importable). Every call of a Python function whose
 ``<file>:<qualified name>`` matches ``--where`` is counted (``sys.setprofile``, call events only; ``<file>`` relative
 to the project for its own code, else absolute); the N-th call raises the fault at its first line, inside the real
-code path, and counting stops. The stage module and what it imports, and the libraries the stages import where they
-use them (``LAZY``), are loaded before counting starts: calls made by imports are not counted, and the stage runs at
-close to its own speed (a profile function, unlike a trace function, leaves line events off). A C function is named
-``c:<module>.<name>`` (``c:posix.replace``: every ``os.replace``) and counted on its call too, so a kill can land
-between two renames (C calls are looked at only when ``--where`` contains ``c:``: they are most of the calls).
+code path, and counting stops. The stage module and what it imports are loaded before counting starts, and what
+the stage imports where it uses it loads with the profile function off (``unprofiled``): calls made by imports are
+not counted, and the stage runs at close to its own speed (a profile function, unlike a trace function, leaves line
+events off). A C function is named ``c:<module>.<name>`` (``c:posix.replace``: every ``os.replace``) and counted on
+its call too, so a kill can land between two renames (C calls are looked at only when ``--where`` contains ``c:``:
+they are most of the calls).
 Without ``--at`` the stage runs undisturbed. ``--count FILE`` writes the number of matching calls seen to FILE at
 exit, so a test can draw a point among them.
 Faults: ``error`` (a RuntimeError, i.e. a bug), ``interrupt`` (Ctrl-C), ``disk-full`` (OSError ENOSPC), ``oom``
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import builtins
 import errno
 import importlib
 import os
@@ -27,12 +29,10 @@ import re
 import runpy
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from types import CodeType, FrameType
+from types import CodeType, FrameType, ModuleType
 
-# what the stages import only where they need it (each costs seconds at import), loaded here before counting starts:
-# imported under the profile function, they took as much CPU again as the whole of a tiny ppo run
-LAZY = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto", "dvclive", "accelerate")
 SIGNALS = {"kill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP, "stop": signal.SIGSTOP}
 
 
@@ -48,6 +48,28 @@ def fault(kind: str) -> BaseException | None:
         return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
     return {"error": RuntimeError("injected fault"), "interrupt": KeyboardInterrupt(),
             "disk-full": OSError(errno.ENOSPC, "No space left on device")}[kind]
+
+
+def unprofiled() -> None:
+    """Every import (``import``, ``importlib.import_module``: transformers' lazy modules) runs with the thread's
+    profile function off and puts it back after: the libraries the stages import where they need them cost seconds
+    at import, as much CPU again as a tiny ppo run under the profile function; preloaded instead, a stage that never
+    imports them (switched off, or loading only a tokenizer) paid for them."""
+
+    def wrap(load: Callable[..., ModuleType]) -> Callable[..., ModuleType]:
+        def loading(*args: object, **kwargs: object) -> ModuleType:
+            profile = sys.getprofile()  # per thread: None inside an import, in another thread, or after the fault
+            if profile is None:
+                return load(*args, **kwargs)
+            sys.setprofile(None)
+            try:
+                return load(*args, **kwargs)
+            finally:
+                sys.setprofile(profile)
+        return loading
+
+    builtins.__import__ = wrap(builtins.__import__)
+    importlib.import_module = wrap(importlib.import_module)
 
 
 def main() -> None:
@@ -100,8 +122,7 @@ def main() -> None:
         atexit.register(lambda: args.count.write_text(f"{calls}\n"))
     sys.argv = [f"stages.{args.stage}"]
     importlib.import_module(f"stages.{args.stage}")
-    for module in LAZY:
-        importlib.import_module(module)
+    unprofiled()
     del sys.modules[f"stages.{args.stage}"]  # runpy runs it afresh as __main__ (its imports stay loaded)
     sys.setprofile(count)
     try:
