@@ -155,18 +155,18 @@ def test_lr_zero_leaves_the_policy_bit_identical(tiny_gpt2_dir: Path) -> None:
 
 
 def test_the_averaged_policy_is_the_moving_average_of_the_trained_weights(tiny_gpt2_dir: Path) -> None:
-    """ppo.ema_decay d: after step t the average is d * average + (1 - d) * weights_t, from the initial weights,
-    written from the trained weights step by step here; ``averaged`` puts it in the policy and the trained weights
-    back after."""
-    d = 0.6
+    """ppo.ema_decay d, bias-corrected: after t steps the average is sum_s d^(t-s) (1 - d) / (1 - d^t) weights_s
+    over the trained steps s = 1..t, the initial weights not among them; written here from the weights kept step by
+    step. ``averaged`` puts it in the policy and the trained weights back after."""
+    d, t = 0.6, 3
     trainer = make_trainer(tiny_gpt2_dir, ema_decay=d)
     names = [name for name, p in trainer.policy.named_parameters() if p.requires_grad]
-    expected = {name: p.detach().clone() for name, p in trainer.policy.named_parameters() if p.requires_grad}
-    for step in range(3):
+    kept = []
+    for step in range(t):
         trainer.step(*batch(trainer), step=step)
-        for name, p in trainer.policy.named_parameters():
-            if p.requires_grad:
-                expected[name] = d * expected[name] + (1 - d) * p.detach()
+        kept.append({name: p.detach().clone() for name, p in trainer.policy.named_parameters() if p.requires_grad})
+    expected = {name: sum(d ** (t - s) * (1 - d) / (1 - d**t) * kept[s - 1][name] for s in range(1, t + 1))
+                for name in names}
     trained = copy.deepcopy(trainer.policy.state_dict())
     with trainer.averaged():
         inside = dict(trainer.policy.named_parameters())

@@ -76,9 +76,11 @@ class PpoParams(Section):
     """Gradient-norm clip of each optimizer step (null: no clipping; the norm is still logged)."""
     ema_decay: float | None = Field(gt=0, lt=1)
     """The policy written (models/policy) and measured on the pool's prompts (the objective curve) is an exponential
-    moving average of the trained weights, from the initial ones, w <- d w + (1 - d) w_trained after each step
-    (Polyak averaging: it keeps the trend and averages out the steps' noise); the rollouts still sample the trained
-    weights. null: the trained weights themselves. Not with ppo.shard."""
+    moving average of the trained weights, w <- d w + (1 - d) w_trained after each step (Polyak averaging: it keeps
+    the trend and averages out the steps' noise), bias-corrected as Adam's moments are: after t steps the weights of
+    step s weigh d^(t-s) (1 - d) / (1 - d^t), so the initial weights weigh nothing and an early average does not lag
+    towards them. The rollouts still sample the trained weights. null: the trained weights themselves. Not with
+    ppo.shard."""
     use_score_scaling: bool
     """Divide scores by their running standard deviation."""
     use_score_norm: bool

@@ -161,8 +161,10 @@ class PPOTrainer:
         clock = Clock(self.device)
         with clock("update"):  # 6. ppo epochs over shuffled mini-batches
             update_stats = self.update(rollout, step)
-            if self.average is not None:
-                get_ema_multi_avg_fn(self.cfg.ema_decay)(self.average, [p.detach() for p in self.trained], None)
+            if self.average is not None:  # bias-corrected, as Adam's moments: only the trained steps count
+                d = self.cfg.ema_decay
+                decay = d * (1 - d**step) / (1 - d ** (step + 1))  # 0 at step 0: the first trained weights
+                get_ema_multi_avg_fn(decay)(self.average, [p.detach() for p in self.trained], None)
         # 7. adapt the KL coefficient to the mean sequence KL of the batch
         mean_kl = self.mean_over_processes(rollout.kl.sum(1).mean()).item()
         kl_coef = self.kl_ctl.value
