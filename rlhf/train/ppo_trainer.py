@@ -156,13 +156,11 @@ class PPOTrainer:
         return result
 
     def learn(self, rollout: Rollout, step: int) -> StepResult:
-        """6-7 of the iteration: the update on ``rollout``, then the KL controller; the stats of both (``time/update``
-        its wall time)."""
+        """6-7: the update on ``rollout``, then the KL controller; the stats of both (``time/update``: wall time)."""
         clock = Clock(self.device)
         with clock("update"):  # 6. ppo epochs over shuffled mini-batches
             update_stats = self.update(rollout, step)
-            if self.average is not None:  # bias-corrected, as Adam's moments: only the trained steps count
-                d = self.cfg.ema_decay
+            if (d := self.cfg.ema_decay) is not None:  # bias-corrected as Adam's moments: the trained steps alone
                 decay = d * (1 - d**step) / (1 - d ** (step + 1))  # 0 at step 0: the first trained weights
                 get_ema_multi_avg_fn(decay)(self.average, [p.detach() for p in self.trained], None)
         # 7. adapt the KL coefficient to the mean sequence KL of the batch
