@@ -236,23 +236,27 @@ def test_a_removed_checkpoint_vanishes_in_one_step(tmp_path: Path) -> None:
 
 
 STAGE = """
-import time
+import sys, time
 from pathlib import Path
 from rlhf.train import checkpoint
 checkpoint.find(Path("checkpoints"), "run")  # as a stage does before its step 0
 Path("ready").touch()
 while not Path("go").exists():
     time.sleep(0.02)
+if "--clock-update" in sys.argv:  # the kernel's boot time in wall-clock seconds, a second later after a clock update
+    import psutil._pslinux as linux
+    boot_time = linux.boot_time
+    linux.boot_time = lambda: boot_time() + 1
 print(checkpoint.dvc_gone())
 """
 
 
-def test_a_dvc_killed_before_the_first_checkpoint_is_still_seen_to_have_exited(tmp_path: Path) -> None:
-    """The dvc that ran the stage is found when the run looks for its checkpoint: looked up only at the first
-    checkpoint, a dvc killed before it was no longer among the re-parented stage's ancestors, and the stage ran on."""
-    fake_dvc = tmp_path / "dvc"  # a script named dvc: how checkpoint._is_dvc knows a dvc process
-    fake_dvc.write_text(f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {STAGE!r}], "
-                        "stdout=open('out', 'w'))\ntime.sleep(600)\n")
+def run_under_fake_dvc(tmp_path: Path, *stage_args: str, kill_dvc: bool) -> tuple[str, int]:
+    """STAGE run by a script named dvc (how checkpoint._is_dvc knows a dvc process), that dvc killed once the stage
+    has looked it up or left running: what the stage's dvc_gone printed, and the fake dvc's pid."""
+    fake_dvc = tmp_path / "dvc"
+    fake_dvc.write_text(f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {STAGE!r}, "
+                        f"*{list(stage_args)!r}], stdout=open('out', 'w'))\ntime.sleep(600)\n")
     env = {**os.environ, "DVC_STAGE": "ppo", "PYTHONPATH": str(ROOT)}
     dvc = subprocess.Popen([sys.executable, str(fake_dvc)], cwd=tmp_path, env=env)
     try:
@@ -260,12 +264,29 @@ def test_a_dvc_killed_before_the_first_checkpoint_is_still_seen_to_have_exited(t
         while not (tmp_path / "ready").exists():
             assert dvc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
+        if kill_dvc:
+            dvc.kill()
+            dvc.wait()
+        (tmp_path / "go").touch()
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "out").read_text().strip():
+            assert time.monotonic() < deadline, "the stage never answered"
+            time.sleep(0.05)
     finally:
         dvc.kill()
         dvc.wait()
-    (tmp_path / "go").touch()
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "out").read_text().strip():
-        assert time.monotonic() < deadline, "the stage never answered"
-        time.sleep(0.05)
-    assert (tmp_path / "out").read_text().strip() == str(dvc.pid)
+    return (tmp_path / "out").read_text().strip(), dvc.pid
+
+
+def test_a_dvc_killed_before_the_first_checkpoint_is_still_seen_to_have_exited(tmp_path: Path) -> None:
+    """The dvc that ran the stage is found when the run looks for its checkpoint: looked up only at the first
+    checkpoint, a dvc killed before it was no longer among the re-parented stage's ancestors, and the stage ran on."""
+    printed, pid = run_under_fake_dvc(tmp_path, kill_dvc=True)
+    assert printed == str(pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="emulates Linux's boot time moving")
+def test_a_clock_update_is_not_taken_for_dvc_exiting(tmp_path: Path) -> None:
+    """A clock update moves the boot time in wall-clock seconds, and with it every process's wall-clock start: a
+    running dvc compared by that start was taken for another process, and a long PPO run stopped at a checkpoint."""
+    assert run_under_fake_dvc(tmp_path, "--clock-update", kill_dvc=False)[0] == "None"

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import xxhash
 from safetensors.torch import load_file, save_file
@@ -300,34 +301,28 @@ def _is_dvc(cmdline: list[str]) -> bool:
 
 
 @functools.cache
-def _dvc_process() -> tuple[int, float] | None:
-    """(pid, start time) of the dvc that started this stage (DVC sets DVC_STAGE, and runs the command through a shell
-    that may or may not exec it): the nearest ancestor running dvc."""
+def _dvc_process() -> psutil.Process | None:
+    """The dvc that started this stage (DVC sets DVC_STAGE, and runs the command through a shell that may or may not
+    exec it): the nearest ancestor running dvc."""
     if "DVC_STAGE" not in os.environ:
         return None
-    import psutil
-
     for process in psutil.Process().parents():
         with contextlib.suppress(psutil.Error):
             if _is_dvc(process.cmdline()):
-                return process.pid, process.create_time()
+                return process
     return None
 
 
 def dvc_gone() -> int | None:
-    """The pid of the dvc that started this stage once it has exited; None while it runs, or when none did. The start
-    time tells a reused pid from it; a zombie has exited."""
-    if (found := _dvc_process()) is None:
+    """The pid of the dvc that started this stage once it has exited (a zombie has), else None. ``is_running`` tells a
+    reused pid by its start since boot: the wall-clock start moves at clock updates (a false exit in long runs)."""
+    if (process := _dvc_process()) is None:
         return None
-    import psutil
-
-    pid, started = found
     try:
-        process = psutil.Process(pid)
-        alive = process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE
+        alive = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         alive = False
-    return None if alive else pid
+    return None if alive else process.pid
 
 
 def stop_reason(stage: str, step: int) -> str | None:
