@@ -6,10 +6,14 @@ Test modules import from here or from conftest, never from one another.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import locale
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,11 +30,40 @@ from rlhf.pipeline.params import defaults
 from rlhf.pipeline.wiring import wiring
 from rlhf.train.ppo_trainer import PPOTrainer, Rollout
 
+# read at run time, not at import: a zygote serves runs that differ in these alone (pytest sets the second per test)
+PER_RUN = {"PYTHONPATH", "PYTEST_CURRENT_TEST"}
+
+
+@functools.cache
+def zygote(environment: tuple[tuple[str, str], ...]) -> subprocess.Popen:
+    """tests/zygote.py in ``environment``, its libraries imported, for the rest of this test process."""
+    server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "zygote.py")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=dict(environment))
+    if server.stdout.readline() != "ready\n":
+        raise RuntimeError("tests/zygote.py failed to start (its error is above)")
+    return server
+
 
 def run(project: Path, *command: str) -> subprocess.CompletedProcess:
-    """Run ``command`` (default: the ppo stage) in ``project`` with its own ``stages`` package."""
-    return subprocess.run(list(command or (sys.executable, "-m", "stages.ppo")), cwd=project, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(project)})
+    """Run ``command`` (default: the ppo stage) in ``project`` with its own ``stages`` package. This Python's runs
+    are forked from tests/zygote.py, libraries already imported; any other command (torchrun) runs afresh."""
+    command = list(command or (sys.executable, "-m", "stages.ppo"))
+    env = {**os.environ, "PYTHONPATH": str(project)}
+    if command[0] != sys.executable:
+        return subprocess.run(command, cwd=project, capture_output=True, text=True, env=env)
+    server = zygote(tuple(sorted((key, value) for key, value in env.items() if key not in PER_RUN)))
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder, "out"), Path(folder, "err")
+        request = {"argv": command[1:], "cwd": str(project), "env": env, "out": str(out), "err": str(err)}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        status = server.stdout.readline()
+        if not status:
+            raise RuntimeError("tests/zygote.py ended before its child did")
+        # as subprocess.run(text=True) reads them: the locale's encoding, universal newlines
+        stdout, stderr = (path.read_bytes().decode(locale.getpreferredencoding(False)).replace("\r\n", "\n")
+                          .replace("\r", "\n") for path in (out, err))
+    return subprocess.CompletedProcess(command, int(status), stdout, stderr)
 
 
 def ran_stages(result: subprocess.CompletedProcess) -> set[str]:
