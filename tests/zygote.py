@@ -22,6 +22,7 @@ import random
 import runpy
 import sys
 import threading
+import warnings
 
 import numpy
 
@@ -53,6 +54,8 @@ def serve() -> dict:
     runs at the top of the stack and its exit is the interpreter's own)."""
     preload()
     gc.freeze()  # a child's collections would walk the preloaded objects, copying the pages they touch
+    # Python 3.12+ warns at each fork of a process with native threads; those here are fork-safe (preload's docstring)
+    warnings.filterwarnings("ignore", r"This process \(pid=\d+\) is multi-threaded", DeprecationWarning)
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
