@@ -37,10 +37,12 @@ PER_RUN = {"PYTHONPATH", "PYTEST_CURRENT_TEST"}
 @functools.cache
 def zygote(environment: tuple[tuple[str, str], ...]) -> subprocess.Popen:
     """tests/zygote.py in ``environment``, its libraries imported, for the rest of this test process."""
+    errors = tempfile.TemporaryFile()  # noqa: SIM115 (open while the zygote lives; a pipe nobody read could fill)
     server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "zygote.py")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=dict(environment))
+                              stdout=subprocess.PIPE, stderr=errors, text=True, env=dict(environment))
     if server.stdout.readline() != "ready\n":
-        raise RuntimeError("tests/zygote.py failed to start (its error is above)")
+        errors.seek(0)
+        raise RuntimeError(f"tests/zygote.py failed to start:\n{errors.read().decode(errors='replace')}")
     return server
 
 
