@@ -4,6 +4,8 @@ data-parallel (each process a whole copy): the weights, each process's bytes, a 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -129,6 +131,22 @@ def test_dvc_repro_runs_the_sharded_stage_through_its_launcher(ppo_project: Path
     dvc(ppo_project, "repro", "-s", "ppo")
     assert json.loads((ppo_project / "metrics/ppo.json").read_text())["ppo"]["processes"] == 2
     assert "models/policy" in (ppo_project / "dvc.lock").read_text()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_launchers_process_leaves_without_the_interpreters_teardown(processes: int, tmp_path: Path) -> None:
+    """Done, one of a launcher's processes (WORLD_SIZE > 1) exits 0 before the teardown, where the threads of a gloo
+    group that FSDP2's mesh keeps alive can abort it; a lone process keeps the teardown (here, an abort)."""
+    import subprocess
+
+    script = tmp_path / "stage.py"
+    script.write_text("import os\nfrom rlhf.pipeline.cli import run_stage\n\n\nclass AbortsAtTeardown:\n"
+                      "    def __del__(self):\n        os.abort()\n\n\n"
+                      "kept = AbortsAtTeardown()\nrun_stage(lambda: print('trained', flush=True))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(processes)}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert result.stdout == "trained\n"
+    assert result.returncode == (0 if processes > 1 else -signal.SIGABRT), result.stderr
 
 
 def test_the_root_is_fixed_through_fsdp2s_private_state() -> None:

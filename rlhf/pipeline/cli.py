@@ -111,4 +111,12 @@ def run_stage(main: Callable[[], None], out_of_memory: str | None = None) -> Non
             signal.signal(signum, signal.SIG_IGN)  # loaded) must not kill it; no project code after a stage's outputs
     if stage is not None:  # the wall time, imports included
         logging.getLogger(stage).info("%s: done in %.1f s", stage, time.perf_counter() - STARTED)
+    if program and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # one of a launcher's processes, done and its group destroyed: FSDP2's device mesh keeps the gloo group
+        # alive past destroy_process_group, and its threads, met by the interpreter's teardown, can abort a run that
+        # succeeded (SIGABRT: "terminate called without an active exception"). So it leaves without the teardown
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
