@@ -57,7 +57,8 @@ def test_stage_outputs(project: Path, imdb_dir: Path, tokenizer_dir: Path) -> No
     assert metrics["prompts"] == {"train": long_reviews, "eval": 20} and metrics["pairs"] == {"train": 30, "test": 10}
     assert set(metrics["prompt_tokens"]) == {str(n) for n in range(2, 9)}
     assert sum(metrics["prompt_tokens"].values()) == long_reviews and 2 < metrics["prompt_tokens_mean"] < 8
-    assert 0 < metrics["seconds"] <= wall  # the stage's own time, within the process's
+    # the stage's own time, within the process's; to 0.1 s, so a tiny prepare on a fast CPU reads 0.0
+    assert 0 <= metrics["seconds"] <= wall
     # the process's time from its start to its outputs going in: all of it but the interpreter's start and exit
     seconds = [metrics[f"time/{part}"] for part in ("setup", "steps", "teardown")]
     # setup (imports, reading) and steps do work; teardown (files moving in) can round to 0.00
