@@ -150,7 +150,7 @@ def test_a_stop_while_a_stage_imports_is_one_line_and_its_status(signum: int, li
     time.sleep(0.5)  # python is up, torch is being imported
     process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 128 + signum
+    assert process.returncode == 128 + signum, stderr
     # before the runner is up, or inside it while the stage's own imports (torch) load
     assert re.fullmatch(rf"{line}( while starting; nothing was run|; nothing written)", stderr.strip()), stderr
 
@@ -216,6 +216,35 @@ def test_a_second_stop_while_the_first_unwinds_adds_nothing() -> None:
         except KeyboardInterrupt:
             pytest.fail("a second stop signal raised while the first unwound")
         assert first.value.signum == signal.SIGINT
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def test_a_stop_inside_an_import_is_raised_once_the_import_is_done(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGHUP while a stage imported torch: a library's catch-all around an optional import swallowed the stop, and the
+    half-imported module it left failed what followed with a traceback (exit status 1, not 129). A module here stands
+    for that library, sent a real signal."""
+    (tmp_path / "swallows_a_stop.py").write_text(
+        "import os, signal, time\n"
+        "swallowed = False\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGHUP)\n"
+        "    time.sleep(2)\n"
+        "except BaseException:\n"
+        "    swallowed = True\n"
+        "done = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    previous = {signum: signal.getsignal(signum) for signum in (*STOP_SIGNALS, signal.SIGALRM)}
+    stop_signals(stop)
+    try:
+        with pytest.raises(Stopped) as stopped:
+            import swallows_a_stop  # noqa: F401
+            time.sleep(5)
+        assert stopped.value.signum == signal.SIGHUP
+        module = sys.modules.pop("swallows_a_stop")
+        assert module.done and not module.swallowed
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

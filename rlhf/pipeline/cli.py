@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from rlhf.pipeline.errors import PipelineError, Stopped, is_disk_full, is_out_of_memory, processes
 from rlhf.pipeline.paths import checkpoint_dir, checkpoints, output_path
@@ -24,11 +25,26 @@ def stop_signals(handler: Callable[[int, object], None] | int) -> None:
         signal.signal(signum, handler)
 
 
-def stop(signum: int, frame: object) -> None:
+def stop(signum: int, frame: FrameType | None) -> None:
     """A stop signal reads like Ctrl-C where the program is, so the stage keeps its checkpoint. Those that follow are
-    ignored: raised while the first unwinds, they broke off its cleanup."""
+    ignored: raised while the first unwinds, they broke off its cleanup. One that comes inside an import (a stage
+    imports torch in its main) is raised once the import is done: raised inside it, a library's catch-all around an
+    optional import swallowed it and left a half-imported module that failed what followed with a traceback."""
+    if importing(frame):
+        signal.signal(signal.SIGALRM, lambda _alarm, later: stop(signum, later))
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        return
     stop_signals(signal.SIG_IGN)
     raise Stopped(signum)
+
+
+def importing(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside an import (below importlib's frames)."""
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "importlib._bootstrap":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def one_line(error: Exception, stage: str | None, out_of_memory: str | None) -> str | None:
