@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -202,30 +203,35 @@ def test_a_stop_after_a_stage_is_done_leaves_it_done(ppo_dir: Path) -> None:
     assert process.returncode == 0, stderr
 
 
-def test_a_second_stop_while_the_first_unwinds_adds_nothing() -> None:
+@pytest.fixture
+def stop_handler() -> Iterator[None]:
+    """The stage's own stop handler on the stop signals, as its main sets it; pytest's handlers (SIGALRM's too, which
+    a stop inside an import arms) back afterwards."""
+    previous = {signum: signal.getsignal(signum) for signum in (*STOP_SIGNALS, signal.SIGALRM)}
+    stop_signals(stop)
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def test_a_second_stop_while_the_first_unwinds_adds_nothing(stop_handler: None) -> None:
     """Ctrl-C pressed twice: the second, raised while the first unwound, broke off the cleanup (staging left behind,
     the step lost from the line) or printed a traceback. The stage's own handler, sent real signals."""
-    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    stop_signals(stop)
+    with pytest.raises(Stopped) as first:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
     try:
-        with pytest.raises(Stopped) as first:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)
-        try:
-            os.kill(os.getpid(), signal.SIGTERM)  # while the first unwinds: its cleanup must go on
-        except KeyboardInterrupt:
-            pytest.fail("a second stop signal raised while the first unwound")
-        assert first.value.signum == signal.SIGINT
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        os.kill(os.getpid(), signal.SIGTERM)  # while the first unwinds: its cleanup must go on
+    except KeyboardInterrupt:
+        pytest.fail("a second stop signal raised while the first unwound")
+    assert first.value.signum == signal.SIGINT
 
 
-def test_a_stop_inside_an_import_is_raised_once_the_import_is_done(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stop_inside_an_import_is_raised_once_the_import_is_done(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   stop_handler: None) -> None:
     """SIGHUP while a stage imported torch: a library's catch-all around an optional import swallowed the stop, and the
-    half-imported module it left failed what followed with a traceback (exit status 1, not 129). A module here stands
-    for that library, sent a real signal."""
+    half-imported module it left failed what followed with a traceback (exit status 1, not 129), or torch's import
+    aborted (SIGABRT). A module here stands for that library, sent a real signal."""
     (tmp_path / "swallows_a_stop.py").write_text(
         "import os, signal, time\n"
         "swallowed = False\n"
@@ -236,18 +242,12 @@ def test_a_stop_inside_an_import_is_raised_once_the_import_is_done(tmp_path: Pat
         "    swallowed = True\n"
         "done = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    previous = {signum: signal.getsignal(signum) for signum in (*STOP_SIGNALS, signal.SIGALRM)}
-    stop_signals(stop)
-    try:
-        with pytest.raises(Stopped) as stopped:
-            import swallows_a_stop  # noqa: F401
-            time.sleep(5)
-        assert stopped.value.signum == signal.SIGHUP
-        module = sys.modules.pop("swallows_a_stop")
-        assert module.done and not module.swallowed
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    with pytest.raises(Stopped) as stopped:
+        import swallows_a_stop  # noqa: F401
+        time.sleep(5)
+    assert stopped.value.signum == signal.SIGHUP
+    module = sys.modules.pop("swallows_a_stop")
+    assert module.done and not module.swallowed
 
 
 @pytest.mark.slow

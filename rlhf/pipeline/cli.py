@@ -29,7 +29,8 @@ def stop(signum: int, frame: FrameType | None) -> None:
     """A stop signal reads like Ctrl-C where the program is, so the stage keeps its checkpoint. Those that follow are
     ignored: raised while the first unwinds, they broke off its cleanup. One that comes inside an import (a stage
     imports torch in its main) is raised once the import is done: raised inside it, a library's catch-all around an
-    optional import swallowed it and left a half-imported module that failed what followed with a traceback."""
+    optional import swallowed it and left a half-imported module that failed what followed with a traceback, or torch's
+    own import aborted (SIGABRT)."""
     if importing(frame):
         signal.signal(signal.SIGALRM, lambda _alarm, later: stop(signum, later))
         signal.setitimer(signal.ITIMER_REAL, 0.01)
