@@ -210,6 +210,7 @@ def stop_handler() -> Iterator[None]:
     previous = {signum: signal.getsignal(signum) for signum in (*STOP_SIGNALS, signal.SIGALRM)}
     stop_signals(stop)
     yield
+    signal.setitimer(signal.ITIMER_REAL, 0)  # a re-raise still armed would meet SIGALRM's default: the end of pytest
     for signum, handler in previous.items():
         signal.signal(signum, handler)
 
