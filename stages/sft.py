@@ -50,8 +50,10 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.train.system_use import SystemUse
 
     s = params.sft
-    train_ids, test_ids = read_tokens(corpus_key(params))  # before anything loads: tokens of other params stop here
+    # before anything loads: tokens of other params stop here
+    train_ids, train_labels, test_ids = read_tokens(corpus_key(params))
     blocks = pack(train_ids, s.block_size, "the training text")
+    labels = pack(train_labels, s.block_size, "the training labels") if s.sentiment_coef else None
     held_out = pack(test_ids, s.block_size, "the held-out text")
     generator = seed_everything(params.seed)
     tokenizer = load_tokenizer(params.tokenizer_path, params.model, what="model.tokenizer")
@@ -63,7 +65,7 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
 
     lm.to(device)
     with outputs.steps(), SystemUse(device) as system:
-        result = train(lm, blocks, params, device, generator, step)
+        result = train(lm, blocks, params, device, generator, step, labels)
     ppl = perplexity(lm, held_out, EVAL_BATCH, device)
     save_pretrained(lm, tokenizer, outputs[SFT_DIR])
     tail, tokens = result.losses[-20:], len(result.losses) * tokens_per_step(s)

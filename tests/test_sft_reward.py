@@ -44,7 +44,7 @@ def tokenizer(tokenizer_dir: Path):
 
 def test_pack_puts_eos_between_reviews(tokenizer) -> None:
     texts = pd.Series(["a great movie", "the plot was dull", "loved it"])
-    blocks = sft.pack(token_stream(texts, tokenizer, None), 4, "the text")
+    blocks = sft.pack(token_stream(texts, tokenizer, None)[0], 4, "the text")
     stream = [i for text in texts for i in [*tokenizer(text, add_special_tokens=False).input_ids,
                                              tokenizer.eos_token_id]]
     assert blocks.flatten().tolist() == stream[: len(blocks) * 4]
@@ -78,6 +78,28 @@ def test_next_token_loss_and_its_gradient_are_hugging_face_s(tiny_gpt2_dir: Path
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-5)
     for mine, p in zip(our_grads, lm.parameters(), strict=True):
         torch.testing.assert_close(mine, p.grad, rtol=1e-3, atol=1e-6)
+
+
+def test_review_label_loss_is_the_mean_logistic_loss_of_the_labelled_tokens() -> None:
+    """Against the formula, token by token: -log sigmoid(z) for a positive review's token, -log(1 - sigmoid(z)) for
+    a negative one's, unlabelled tokens (-1) skipped."""
+    logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)) * 3
+    labels = torch.tensor([[1, 1, 1, -1, -1], [0, 0, 0, 0, 0], [-1, -1, 1, 1, 1]])
+    terms = [-math.log(torch.sigmoid(z).item()) if y == 1 else -math.log(1 - torch.sigmoid(z).item())
+             for z, y in zip(logits.flatten(), labels.flatten().tolist(), strict=True) if y >= 0]
+    assert sft.review_label_loss(logits, labels).item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+    assert sft.review_label_loss(logits, torch.full_like(labels, -1)).item() == 0
+
+
+def test_the_sentiment_term_adds_the_head_s_loss_on_every_position(tiny_gpt2_dir: Path) -> None:
+    lm = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
+    lm.sentiment_head = torch.nn.Linear(lm.config.hidden_size, 1)
+    blocks = torch.randint(0, 300, (3, 10), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[1] * 10, [0] * 4 + [-1] * 6, [-1] * 3 + [1] * 7])
+    hidden = lm.transformer(blocks).last_hidden_state
+    head = sft.review_label_loss(lm.sentiment_head(hidden).squeeze(-1), labels)
+    assert sft.next_token_loss(lm, blocks, "fp32", labels, 0.5).item() == pytest.approx(
+        sft.next_token_loss(lm, blocks).item() + 0.5 * head.item(), rel=1e-6)
 
 
 VOCAB = 400  # the tiny tokenizer's size, about
@@ -117,25 +139,30 @@ def test_the_scratch_model_attends_through_sdpa_with_no_mask_tensor(tokenizer_di
 
 
 def train_tiny(params: Params, compile_setting: bool, device: torch.device) -> tuple[list[float], list[torch.Tensor]]:
-    """sft.train from one seeded init on structured blocks: (its losses, each weight's change)."""
+    """sft.train from one seeded init on structured blocks (labelled by their start, for sft.sentiment_coef): (its
+    losses, each weight's change)."""
     params = params.model_copy(update={"sft": params.sft.model_copy(update={"compile": compile_setting})})
     torch.manual_seed(0)
     lm = sft.scratch_model(params.sft, VOCAB, 0).to(device)
     initial = [p.detach().clone() for p in lm.parameters()]
-    result = sft.train(lm, structured_blocks(64, params.sft.block_size), params, device,
-                       torch.Generator().manual_seed(0), sft.compiled_step(params, device))
+    blocks = structured_blocks(64, params.sft.block_size)
+    labels = (blocks[:, :1] < VOCAB // 2).long().expand_as(blocks) if params.sft.sentiment_coef else None
+    result = sft.train(lm, blocks, params, device, torch.Generator().manual_seed(0),
+                       sft.compiled_step(params, device), labels)
     return result.losses, [(p.detach() - p0).cpu() for p, p0 in zip(lm.parameters(), initial, strict=True)]
 
 
 @pytest.mark.slow
-def test_the_compiled_sft_step_trains_as_the_eager_one(tokenizer_dir: Path) -> None:
-    """fp32, 4 steps. Compiled and eager compute the same sums in other orders (fused reductions): float rounding,
-    which moves a loss by ~1e-7 relative (rel 1e-5 is 30x the largest seen) and all the weights' changes together by
-    ~1e-5 of their size (1e-3 is 50x it). A few single weights differ more: those whose exact gradient is 0 or nearly
-    (a key bias: softmax ignores a shift shared by every key), where AdamW's m / sqrt(v) turns rounding noise into a
-    move of up to the learning rate; so no bound per weight. A gradient that differs in kind (a missed or extra term)
-    changes the weights' moves by order 1."""
-    params = tiny_params(tokenizer_dir, max_tokens=8 * 32 * 4, warmup_steps=1, learning_rate=1e-3)
+@pytest.mark.parametrize("sentiment_coef", [0.0, 1.0])
+def test_the_compiled_sft_step_trains_as_the_eager_one(tokenizer_dir: Path, sentiment_coef: float) -> None:
+    """fp32, 4 steps, with and without sft.sentiment_coef's term. Compiled and eager compute the same sums in other
+    orders (fused reductions): float rounding, which moves a loss by ~1e-7 relative (rel 1e-5 is 30x the largest
+    seen) and all the weights' changes together by ~1e-5 of their size (1e-3 is 50x it). A few single weights differ
+    more: those whose exact gradient is 0 or nearly (a key bias: softmax ignores a shift shared by every key), where
+    AdamW's m / sqrt(v) turns rounding noise into a move of up to the learning rate; so no bound per weight. A
+    gradient that differs in kind (a missed or extra term) changes the weights' moves by order 1."""
+    params = tiny_params(tokenizer_dir, max_tokens=8 * 32 * 4, warmup_steps=1, learning_rate=1e-3,
+                         sentiment_coef=sentiment_coef)
     params = params.model_copy(update={"model": params.model.model_copy(update={"precision": "fp32"})})
     eager_losses, eager_moves = train_tiny(params, False, CPU)
     compiled_losses, compiled_moves = train_tiny(params, True, CPU)
@@ -175,13 +202,42 @@ def test_on_cuda_sft_waits_for_the_gpu_only_to_read_losses_and_compiles_to_eager
     assert losses[False][-1] < losses[False][0]
 
 
+def test_sft_with_a_sentiment_coef_teaches_the_head_the_labels_and_drops_it(
+        tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Labels a head can learn (a block counting up from the vocabulary's lower half is positive): the head's loss,
+    as each step computed it, falls from ln 2 (untrained) to under a quarter of it in 20 steps (0.05-0.12 of it over
+    seeds 0-3); with every token unlabelled the run is one without the term to the bit; the head is gone after."""
+    blocks = structured_blocks(64, 32)
+    labels = (blocks[:, :1] < VOCAB // 2).long().expand_as(blocks)
+    head_losses, real = [], sft.review_label_loss
+
+    def recorded(*args: torch.Tensor) -> torch.Tensor:
+        head_losses.append((value := real(*args)).item())
+        return value
+
+    monkeypatch.setattr(sft, "review_label_loss", recorded)
+    on, off = (tiny_params(tokenizer_dir, sentiment_coef=coef, max_tokens=8 * 32 * 20) for coef in (1.0, 0.0))
+    runs = {}
+    for name, params, run_labels in (("labelled", on, labels), ("unlabelled", on, torch.full_like(labels, -1)),
+                                     ("off", off, None)):
+        torch.manual_seed(0)
+        lm = sft.scratch_model(params.sft, VOCAB, 0)
+        names = [n for n, _ in lm.named_parameters()]
+        runs[name] = sft.train(lm, blocks, params, CPU, torch.Generator().manual_seed(0), labels=run_labels).losses
+        assert [n for n, _ in lm.named_parameters()] == names
+        if name == "labelled":
+            assert head_losses[0] == pytest.approx(math.log(2), abs=0.1)
+            assert sum(head_losses[-5:]) / 5 < head_losses[0] / 4
+    assert runs["unlabelled"] == runs["off"]
+
+
 @pytest.mark.slow
 def test_sft_loss_goes_down_and_reloads(tokenizer_dir: Path, imdb_dir: Path, tokenizer, tmp_path: Path) -> None:
     params = tiny_params(tokenizer_dir)
     torch.manual_seed(0)
     lm = sft.build_model(params, tokenizer)
     texts = pd.read_parquet(imdb_dir / "train.parquet")["text"]
-    blocks = sft.pack(token_stream(texts, tokenizer, None), 32, "the text")
+    blocks = sft.pack(token_stream(texts, tokenizer, None)[0], 32, "the text")
     before = sft.perplexity(lm, blocks[:16], 8, CPU)
     result = sft.train(lm, blocks, params, CPU, torch.Generator().manual_seed(0))
     first, last = result.losses[0], sum(result.losses[-5:]) / 5

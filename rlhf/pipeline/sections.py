@@ -146,6 +146,11 @@ class SftParams(Schedule):
     """Micro-batches per optimizer step."""
     weight_decay: float = Field(ge=0)
     """AdamW weight decay of the matrices (biases and norms: none)."""
+    sentiment_coef: float = Field(ge=0)
+    """Weight of an auxiliary loss: a linear head on the last hidden state predicts, at each token, its review's
+    label (positive or negative; unlabelled reviews left out) by logistic loss; the head is dropped after training
+    and the reported train_loss includes the term. 0: off. A body that knows the sentiment gives the reward model
+    and PPO features the reward is easier to read from (docs/experiments.md)."""
     splits: list[str] = Field(min_length=1)
     """Data-source splits to train on (never 'test': that is where perplexity is measured)."""
     eval_reviews: int = Field(gt=0)

@@ -64,8 +64,19 @@ def pack(stream: np.ndarray, block_size: int, what: str) -> torch.Tensor:
     return torch.from_numpy(stream[: n_blocks * block_size].astype(np.int64)).view(n_blocks, block_size)
 
 
-def next_token_loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
-    """Mean -log p(token | the tokens before it) over every token of the (B, T) blocks but the first of each.
+def review_label_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean logistic loss of per-token sentiment ``logits`` against their review's ``labels`` (1 positive, 0
+    negative), over the labelled tokens only (-1: unlabelled; none labelled: 0)."""
+    labelled = labels >= 0
+    losses = F.binary_cross_entropy_with_logits(logits.float(), labels.clamp(min=0).float(), reduction="none")
+    return (losses * labelled).sum() / labelled.sum().clamp(min=1)  # no boolean indexing: static shapes to compile
+
+
+def next_token_loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str = "fp32",
+                    labels: torch.Tensor | None = None, sentiment_coef: float = 0.0) -> torch.Tensor:
+    """Mean -log p(token | the tokens before it) over every token of the (B, T) blocks but the first of each; with
+    ``labels`` (B, T), plus ``sentiment_coef`` x ``review_label_loss`` of ``lm.sentiment_head`` on every position's
+    last hidden state (sft.sentiment_coef).
 
     The LM head runs on the T - 1 positions that predict a token, under ``model.precision``'s autocast (bf16
     logits under bf16). Eagerly, ``logprobs.cross_entropy`` takes them without an (N, V) fp32 copy: Hugging Face's own
@@ -77,11 +88,14 @@ def next_token_loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str = "
         # use_cache (GPT-2's default; the cache only holds what backward keeps anyway): without a cache, transformers
         # checks the positions for packed sequences, a host wait per forward eagerly and, under torch.compile, a mask
         # tensor in place of is_causal, which rules out SDPA's flash kernels
-        hidden = lm.base_model(input_ids=batch, use_cache=True).last_hidden_state[:, :-1]
-        logits = head_logits(lm.get_output_embeddings(), hidden)  # (B, T - 1, V)
+        hidden = lm.base_model(input_ids=batch, use_cache=True).last_hidden_state
+        logits = head_logits(lm.get_output_embeddings(), hidden[:, :-1])  # (B, T - 1, V)
+        sentiment = None if labels is None else lm.sentiment_head(hidden).squeeze(-1)
     if torch.compiler.is_compiling():
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-    return cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+    else:
+        loss = cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    return loss if sentiment is None else loss + sentiment_coef * review_label_loss(sentiment, labels)
 
 
 def compiled_step(params: Params, device: torch.device) -> CompiledStep | None:
@@ -93,8 +107,7 @@ def compiled_step(params: Params, device: torch.device) -> CompiledStep | None:
                         "bf16" if mixed_precision(device, params.model.precision) else "fp32")
 
 
-def compiled_loss(step: CompiledStep,
-                  trained: list[torch.Tensor]) -> Callable[[PreTrainedModel, torch.Tensor, str], torch.Tensor]:
+def compiled_loss(step: CompiledStep, trained: list[torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``next_token_loss`` under torch.compile, whose backward is compiled with it: one graph (no break), its
     elementwise work (LayerNorm, GELU, residual adds, the loss) fused into few kernels. Shapes are static (every
     micro-batch is sft.batch_size x sft.block_size): one compilation, on the first step, whose forward and backward
@@ -102,18 +115,19 @@ def compiled_loss(step: CompiledStep,
     first micro-batch's loss is the eager one, and so is every later one where the check failed."""
     compiled = torch.compile(next_token_loss, fullgraph=True, dynamic=False)
 
-    def loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str) -> torch.Tensor:
+    def loss(lm: PreTrainedModel, batch: torch.Tensor, precision: str, *sentiment: Any) -> torch.Tensor:
         # model.precision's auto resolved out here: its CPU probe is a call torch.compile cannot trace
         resolved = "bf16" if mixed_precision(batch.device, precision) else "fp32"
         if step.compiled is None:
             def compiled_run() -> torch.Tensor:
-                value = compiled(lm, batch, resolved)
+                value = compiled(lm, batch, resolved, *sentiment)
                 value.backward()  # compiles the backward too, inside the check
                 return value
 
-            return step.first_use(compiled_run, lambda: next_token_loss(lm, batch, resolved),
+            return step.first_use(compiled_run, lambda: next_token_loss(lm, batch, resolved, *sentiment),
                                   lambda value: {"loss": value.item()}, lambda: saved_state(trained))
-        return compiled(lm, batch, resolved) if step.compiled else next_token_loss(lm, batch, resolved)
+        run = compiled if step.compiled else next_token_loss
+        return run(lm, batch, resolved, *sentiment)
 
     return loss
 
@@ -145,14 +159,18 @@ def tokens_per_step(s: SftParams) -> int:
 
 
 def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: torch.device,
-          generator: torch.Generator, step: CompiledStep | None = None) -> FitResult:
+          generator: torch.Generator, step: CompiledStep | None = None,
+          labels: torch.Tensor | None = None) -> FitResult:
     """Next-token training on blocks drawn at random (from ``generator``) until the sft.max_tokens budget is spent;
-    ``step``: the compiled step's state (``compiled_step``; None: eager).
+    ``step``: the compiled step's state (``compiled_step``; None: eager). With sft.sentiment_coef, ``labels`` are
+    the blocks' tokens' review labels, predicted by a linear head trained alongside and dropped at the end.
 
     Weight decay applies to the matrices only (not to biases and LayerNorm gains); with sft.checkpoint_every, a
     rerun after a kill resumes to the same result (rlhf/train/fit.py).
     """
     s = params.sft
+    if s.sentiment_coef:
+        lm.sentiment_head = torch.nn.Linear(lm.config.hidden_size, 1).to(device)
     trained = [p for p in lm.parameters() if p.requires_grad]  # every one but a LoRA model's frozen base
     decay = [p for p in trained if p.dim() >= 2]
     no_decay = [p for p in trained if p.dim() < 2]
@@ -164,10 +182,16 @@ def train(lm: PreTrainedModel, blocks: torch.Tensor, params: Params, device: tor
         step_loss = compiled_loss(step, trained)
 
     def loss(idx: torch.Tensor) -> torch.Tensor:
-        return step_loss(lm, to_device(blocks[idx], device), params.model.precision)
+        batch = to_device(blocks[idx], device)
+        if not s.sentiment_coef:
+            return step_loss(lm, batch, params.model.precision)
+        return step_loss(lm, batch, params.model.precision, to_device(labels[idx], device), s.sentiment_coef)
 
     plan = FitPlan("sft", s.max_tokens // tokens_per_step(s), s.learning_rate, s.warmup_steps,
                    s.max_grad_norm, s.gradient_accumulation_steps, betas=(0.9, 0.95),
                    checkpoint_every=s.checkpoint_every, fingerprint=run_fingerprint(params) if s.checkpoint_every
                    else None)
-    return fit(lm, groups, loss, RandomBatches(len(blocks), s.batch_size, generator), plan)
+    result = fit(lm, groups, loss, RandomBatches(len(blocks), s.batch_size, generator), plan)
+    if s.sentiment_coef:
+        del lm.sentiment_head
+    return result
