@@ -46,14 +46,14 @@ def train_sft(params: Params, outputs: StagedOutputs) -> None:
     from rlhf.train.checkpoint import weights_bytes
     from rlhf.train.compiled import step_metrics
     from rlhf.train.rng import seed_everything
-    from rlhf.train.sft import build_model, compiled_step, pack, perplexity, tokens_per_step, train
+    from rlhf.train.sft import build_model, compiled_step, label_blocks, pack, perplexity, tokens_per_step, train
     from rlhf.train.system_use import SystemUse
 
     s = params.sft
     # before anything loads: tokens of other params stop here
     train_ids, train_labels, test_ids = read_tokens(corpus_key(params))
     blocks = pack(train_ids, s.block_size, "the training text")
-    labels = pack(train_labels, s.block_size, "the training labels") if s.sentiment_coef else None
+    labels = label_blocks(train_labels, s)
     held_out = pack(test_ids, s.block_size, "the held-out text")
     generator = seed_everything(params.seed)
     tokenizer = load_tokenizer(params.tokenizer_path, params.model, what="model.tokenizer")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from rlhf.data import tokens
 from rlhf.data.imdb import load_imdb
 from rlhf.models.loading import load_tokenizer
-from rlhf.pipeline.errors import DataError
+from rlhf.pipeline.errors import DataError, ParamsError
 from rlhf.pipeline.params import defaults
 from rlhf.train import sft
 from stages import sft as sft_stage
@@ -101,3 +101,15 @@ def test_sft_with_a_sentiment_coef_saves_no_head_and_a_killed_run_resumes_to_the
         sft_stage.main()
     sft_stage.main()
     assert {name: Path(name).read_bytes() for name in uninterrupted} == uninterrupted
+
+
+def test_a_sentiment_coef_without_labelled_reviews_stops_before_training(
+        project: Path, imdb_dir: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(project)
+    set_params(project, **{"data.source": str(imdb_dir), "model.tokenizer": str(tokenizer_dir), **TRAINING["sft"],
+                           "sft.splits": ["unsupervised"], "sft.sentiment_coef": 0.5})
+    tokenize_stage.main()
+    with pytest.raises(ParamsError, match=r"^sft\.sentiment_coef: 0\.5 needs labelled reviews, and sft\.splits "
+                                          r"\(unsupervised\) hold none"):
+        sft_stage.main()
+    assert not Path("models/sft").exists() and not Path("data/checkpoints/sft").exists()

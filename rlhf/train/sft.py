@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel, PreTraine
 from rlhf.models.loading import context_size, fast_activations, load_causal_lm
 from rlhf.models.lora import add_lora
 from rlhf.models.precision import autocast, head_logits, mixed_precision, to_device
-from rlhf.pipeline.errors import DataError, ModelError
+from rlhf.pipeline.errors import DataError, ModelError, ParamsError
 from rlhf.pipeline.params import Params
 from rlhf.pipeline.paths import TOKENS_DIR
 from rlhf.pipeline.sections import SftParams
@@ -62,6 +62,18 @@ def pack(stream: np.ndarray, block_size: int, what: str) -> torch.Tensor:
     if n_blocks == 0:
         raise DataError(f"{what} holds {len(stream)} tokens, fewer than one sft.block_size={block_size}")
     return torch.from_numpy(stream[: n_blocks * block_size].astype(np.int64)).view(n_blocks, block_size)
+
+
+def label_blocks(labels: np.ndarray, s: SftParams) -> torch.Tensor | None:
+    """The training tokens' review labels packed as their blocks are, where sft.sentiment_coef trains on them (None:
+    off); with no labelled review among them, an error before any model loads."""
+    if not s.sentiment_coef:
+        return None
+    if not (labels >= 0).any():
+        raise ParamsError(f"sft.sentiment_coef: {s.sentiment_coef} needs labelled reviews, and sft.splits "
+                          f"({', '.join(s.splits)}) hold none; set it to 0 or train on a labelled split",
+                          "sft.sentiment_coef")
+    return pack(labels, s.block_size, "the training labels")
 
 
 def review_label_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
